@@ -1,0 +1,54 @@
+//! Newtypes for the integers that mean something: slots, keys, versions, tasks, steps, reads.
+
+use std::fmt;
+
+macro_rules! id_newtype {
+    ($(#[$doc:meta])* $name:ident($inner:ty), $prefix:literal) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+        pub struct $name(pub $inner);
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, concat!($prefix, "{}"), self.0)
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                fmt::Debug::fmt(self, f)
+            }
+        }
+
+        impl From<$inner> for $name {
+            fn from(v: $inner) -> Self {
+                Self(v)
+            }
+        }
+    };
+}
+
+id_newtype!(
+    /// An engine KV slot: `block_id * block_size + offset`.
+    SlotId(u32), "slot#"
+);
+id_newtype!(
+    /// A cached per-token tensor (hidden states or one mm key), as registered in the ledger.
+    KeyId(u32), "key#"
+);
+id_newtype!(
+    /// The write version of one (slot, key); bumped by every claim.
+    Version(u64), "v"
+);
+id_newtype!(
+    /// One write task: the rows of one request in one step (or one deferred flush).
+    TaskId(u64), "task#"
+);
+id_newtype!(
+    /// One engine step's outputs; consumed exactly once by materialize or discard.
+    StepId(u64), "step#"
+);
+id_newtype!(
+    /// A pending read registered by [`crate::Ledger::plan_read`].
+    ReadId(u64), "read#"
+);

@@ -1,0 +1,215 @@
+//! The staging-slot registry: a ring of `N` host staging pages and who holds each.
+//!
+//! A slot is busy while any holder holds it: the step whose rows were copied into it (until
+//! its step id is consumed) and each write task still reading from it (until it wrote the
+//! pool). [`StagingSlots::claim`] takes the next free slot in ring order, waiting up to a
+//! timeout (0 = fail at once) and then failing with the holders of every slot, so a stuck
+//! consumer is named. [`StagingSlots::close`] wakes every waiter with an error.
+//!
+//! Threads: the engine thread claims; any thread adds and releases holders. The mutex is
+//! released while waiting (condition variable), never held across a copy.
+
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::error::{Error, Result};
+use crate::ids::{StepId, TaskId};
+
+/// Who holds a staging slot.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Holder {
+    /// A step whose id is not yet consumed.
+    Step(StepId),
+    /// A write task that has not yet written the pool.
+    Task(TaskId),
+}
+
+impl fmt::Debug for Holder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Holder::Step(s) => write!(f, "{s}"),
+            Holder::Task(t) => write!(f, "{t}"),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Inner {
+    holders: Vec<Vec<Holder>>,
+    next: usize,
+    closed: bool,
+}
+
+/// The staging-slot registry. Any thread.
+#[derive(Debug)]
+pub struct StagingSlots {
+    inner: Mutex<Inner>,
+    freed: Condvar,
+}
+
+impl StagingSlots {
+    /// `num_slots` free slots; zero is refused.
+    pub fn new(num_slots: usize) -> Result<Self> {
+        if num_slots == 0 {
+            return Err(Error::InvalidConfig { what: "staging needs at least one slot".into() });
+        }
+        Ok(Self {
+            inner: Mutex::new(Inner { holders: vec![Vec::new(); num_slots], next: 0, closed: false }),
+            freed: Condvar::new(),
+        })
+    }
+
+    /// Number of slots.
+    pub fn num_slots(&self) -> usize {
+        self.inner.lock().holders.len()
+    }
+
+    /// Takes the next free slot in ring order for `holder`, waiting up to `timeout`.
+    pub fn claim(&self, holder: Holder, timeout: Duration) -> Result<usize> {
+        let deadline = Instant::now() + timeout;
+        let mut g = self.inner.lock();
+        loop {
+            if g.closed {
+                return Err(Error::StagingClosed);
+            }
+            let n = g.holders.len();
+            if let Some(slot) = (0..n).map(|i| (g.next + i) % n).find(|&s| g.holders[s].is_empty()) {
+                g.holders[slot].push(holder);
+                g.next = (slot + 1) % n;
+                return Ok(slot);
+            }
+            if timeout.is_zero() || self.freed.wait_until(&mut g, deadline).timed_out() {
+                if g.holders.iter().any(Vec::is_empty) && !g.closed {
+                    continue;
+                }
+                if g.closed {
+                    return Err(Error::StagingClosed);
+                }
+                return Err(Error::StagingTimeout { timeout, holders: g.holders.clone() });
+            }
+        }
+    }
+
+    fn check_slot(g: &Inner, slot: usize) -> Result<()> {
+        if slot < g.holders.len() {
+            Ok(())
+        } else {
+            Err(Error::StagingSlotOutOfRange { slot, num_slots: g.holders.len() })
+        }
+    }
+
+    /// Adds a holder to a slot (a write task reading from the step's page).
+    pub fn hold(&self, slot: usize, holder: Holder) -> Result<()> {
+        let mut g = self.inner.lock();
+        Self::check_slot(&g, slot)?;
+        if g.closed {
+            return Err(Error::StagingClosed);
+        }
+        g.holders[slot].push(holder);
+        Ok(())
+    }
+
+    /// Removes one holder from a slot. Returns whether the slot became free (and wakes
+    /// waiters if so). Refused, changing nothing, if `holder` does not hold the slot.
+    pub fn release(&self, slot: usize, holder: Holder) -> Result<bool> {
+        let mut g = self.inner.lock();
+        Self::check_slot(&g, slot)?;
+        let hs = &mut g.holders[slot];
+        let Some(i) = hs.iter().position(|h| *h == holder) else {
+            return Err(Error::NotAHolder { slot, holder, holders: hs.clone() });
+        };
+        hs.swap_remove(i);
+        let freed = hs.is_empty();
+        drop(g);
+        if freed {
+            self.freed.notify_all();
+        }
+        Ok(freed)
+    }
+
+    /// Holders of every slot (diagnostics, stats).
+    pub fn holders(&self) -> Vec<Vec<Holder>> {
+        self.inner.lock().holders.clone()
+    }
+
+    /// Slots with no holder.
+    pub fn num_free(&self) -> usize {
+        self.inner.lock().holders.iter().filter(|h| h.is_empty()).count()
+    }
+
+    /// Refuses every later claim and wakes every waiter with [`Error::StagingClosed`].
+    /// Releases still work, so holders can drain. Idempotent.
+    pub fn close(&self) {
+        self.inner.lock().closed = true;
+        self.freed.notify_all();
+    }
+
+    /// Whether [`StagingSlots::close`] was called.
+    pub fn is_closed(&self) -> bool {
+        self.inner.lock().closed
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    const S0: Holder = Holder::Step(StepId(0));
+    const S1: Holder = Holder::Step(StepId(1));
+    const T9: Holder = Holder::Task(TaskId(9));
+
+    #[test]
+    fn busy_while_any_holder_holds_and_ring_order() {
+        let st = StagingSlots::new(2).unwrap();
+        assert_eq!(st.claim(S0, Duration::ZERO).unwrap(), 0);
+        st.hold(0, T9).unwrap();
+        assert_eq!(st.claim(S1, Duration::ZERO).unwrap(), 1);
+        let err = st.claim(Holder::Step(StepId(2)), Duration::ZERO).unwrap_err();
+        assert!(err.to_string().contains("0: [step#0, task#9], 1: [step#1]"), "{err}");
+        assert!(!st.release(0, S0).unwrap(), "task#9 still holds slot 0");
+        assert!(st.release(0, T9).unwrap());
+        assert_eq!(st.claim(Holder::Step(StepId(2)), Duration::ZERO).unwrap(), 0);
+    }
+
+    #[test]
+    fn release_by_a_non_holder_is_refused() {
+        let st = StagingSlots::new(1).unwrap();
+        st.claim(S0, Duration::ZERO).unwrap();
+        assert!(matches!(st.release(0, S1), Err(Error::NotAHolder { .. })));
+        assert!(matches!(st.release(3, S0), Err(Error::StagingSlotOutOfRange { .. })));
+        assert_eq!(st.holders(), vec![vec![S0]]);
+    }
+
+    #[test]
+    fn waiter_gets_a_slot_released_by_another_thread() {
+        let st = Arc::new(StagingSlots::new(1).unwrap());
+        st.claim(S0, Duration::ZERO).unwrap();
+        let st2 = st.clone();
+        let h = std::thread::spawn(move || st2.claim(S1, Duration::from_secs(10)));
+        std::thread::sleep(Duration::from_millis(20));
+        st.release(0, S0).unwrap();
+        assert_eq!(h.join().unwrap().unwrap(), 0);
+    }
+
+    #[test]
+    fn timeout_names_holders_and_close_wakes_waiters() {
+        let st = Arc::new(StagingSlots::new(1).unwrap());
+        st.claim(S0, Duration::ZERO).unwrap();
+        let err = st.claim(S1, Duration::from_millis(10)).unwrap_err();
+        assert!(matches!(err, Error::StagingTimeout { ref holders, .. } if holders == &vec![vec![S0]]));
+        let st2 = st.clone();
+        let h = std::thread::spawn(move || st2.claim(S1, Duration::from_secs(60)));
+        std::thread::sleep(Duration::from_millis(20));
+        st.close();
+        assert_eq!(h.join().unwrap().unwrap_err(), Error::StagingClosed);
+        assert!(st.release(0, S0).unwrap(), "holders can drain after close");
+    }
+
+    #[test]
+    fn zero_slots_is_refused() {
+        assert!(matches!(StagingSlots::new(0), Err(Error::InvalidConfig { .. })));
+    }
+}

@@ -1,0 +1,109 @@
+//! Exactly-once step ids: issued in increasing order on the engine thread, each consumed
+//! once (by materialize or discard), in any order, from any thread.
+
+use std::collections::BTreeSet;
+
+use parking_lot::Mutex;
+
+use crate::error::{Error, Result};
+use crate::ids::StepId;
+
+#[derive(Debug, Default)]
+struct Inner {
+    next: u64,
+    outstanding: BTreeSet<u64>,
+}
+
+/// The step-id registry. Any thread; the lock covers a set insert/remove.
+#[derive(Debug, Default)]
+pub struct StepIds {
+    inner: Mutex<Inner>,
+}
+
+impl StepIds {
+    /// An empty registry; the first id issued is `step#0`.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Issues the next id; it is outstanding until consumed.
+    pub fn issue(&self) -> StepId {
+        let mut g = self.inner.lock();
+        let id = g.next;
+        g.next += 1;
+        g.outstanding.insert(id);
+        StepId(id)
+    }
+
+    /// Consumes `step`. A second consumption, or an id never issued, is refused with the
+    /// list of outstanding ids; nothing changes.
+    pub fn consume(&self, step: StepId) -> Result<()> {
+        let mut g = self.inner.lock();
+        if g.outstanding.remove(&step.0) {
+            return Ok(());
+        }
+        let outstanding = g.outstanding.iter().copied().map(StepId).collect();
+        if step.0 < g.next {
+            Err(Error::StepAlreadyConsumed { step, outstanding })
+        } else {
+            Err(Error::UnknownStep { step, outstanding })
+        }
+    }
+
+    /// Whether `step` was issued and not yet consumed.
+    pub fn is_outstanding(&self, step: StepId) -> bool {
+        self.inner.lock().outstanding.contains(&step.0)
+    }
+
+    /// Issued and not yet consumed, oldest first.
+    pub fn outstanding(&self) -> Vec<StepId> {
+        self.inner.lock().outstanding.iter().copied().map(StepId).collect()
+    }
+
+    /// Number of outstanding ids.
+    pub fn num_outstanding(&self) -> usize {
+        self.inner.lock().outstanding.len()
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn out_of_order_consumption_and_errors_list_outstanding() {
+        let ids = StepIds::new();
+        let a = ids.issue();
+        let b = ids.issue();
+        let c = ids.issue();
+        assert!(a < b && b < c);
+        ids.consume(c).unwrap();
+        ids.consume(a).unwrap();
+        assert_eq!(ids.consume(a).unwrap_err(), Error::StepAlreadyConsumed { step: a, outstanding: vec![b] });
+        let err = ids.consume(StepId(42)).unwrap_err();
+        assert_eq!(err, Error::UnknownStep { step: StepId(42), outstanding: vec![b] });
+        assert!(err.to_string().contains("[step#1]"), "{err}");
+        ids.consume(b).unwrap();
+        assert_eq!(ids.num_outstanding(), 0);
+    }
+
+    #[test]
+    fn consumed_from_other_threads_exactly_once() {
+        let ids = std::sync::Arc::new(StepIds::new());
+        let issued: Vec<_> = (0..1000).map(|_| ids.issue()).collect();
+        let oks: usize = std::thread::scope(|s| {
+            (0..4)
+                .map(|_| {
+                    let ids = ids.clone();
+                    let issued = issued.clone();
+                    s.spawn(move || issued.iter().filter(|&&i| ids.consume(i).is_ok()).count())
+                })
+                .collect::<Vec<_>>()
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .sum()
+        });
+        assert_eq!(oks, 1000);
+        assert!(ids.outstanding().is_empty());
+    }
+}

@@ -1,0 +1,364 @@
+//! The write-task state machine, kept in one atomic word per task.
+//!
+//! ```text
+//! PENDING -> QUEUED -> COPYING -> HOST_READY -> WRITTEN
+//!    \          \          \           \
+//!     +----------+----------+-----------+--> FAILED
+//! ```
+//!
+//! Each edge has a named method that documents its pre- and postconditions and returns the
+//! new [`Snapshot`] or an [`Error::IllegalTransition`] naming the task and both states.
+//! All transitions go through one private compare-and-swap loop, so when two threads race
+//! for the same edge (two copiers claiming COPYING) exactly one wins and the other gets the
+//! error. Besides the state the word carries the *escalated* flag: a task whose request
+//! finished or aborted is moved to the front of the copy queue (see [`crate::queues`]).
+
+use std::fmt;
+
+use crate::error::{Error, Result};
+use crate::ids::TaskId;
+use crate::sync::{AtomicU64, Ordering};
+
+/// The states of a write task.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, PartialOrd, Ord)]
+#[repr(u8)]
+pub enum TaskState {
+    /// Created: its rows are claimed in the ledger; not yet in a copy queue.
+    Pending = 0,
+    /// In a copy queue, waiting for a copier.
+    Queued = 1,
+    /// A copier owns it: the device→host copy is in flight.
+    Copying = 2,
+    /// Its rows are in host staging memory; waiting for the pool write.
+    HostReady = 3,
+    /// Its rows are in the pool (terminal).
+    Written = 4,
+    /// The copy or the pool write failed (terminal).
+    Failed = 5,
+}
+
+impl TaskState {
+    /// All states, in order.
+    pub const ALL: [TaskState; 6] = [
+        TaskState::Pending,
+        TaskState::Queued,
+        TaskState::Copying,
+        TaskState::HostReady,
+        TaskState::Written,
+        TaskState::Failed,
+    ];
+
+    /// Written and Failed: no edge leaves them.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, TaskState::Written | TaskState::Failed)
+    }
+
+    /// Whether `self -> to` is an edge of the state machine.
+    pub fn can_move_to(self, to: TaskState) -> bool {
+        use TaskState::*;
+        matches!(
+            (self, to),
+            (Pending, Queued)
+                | (Queued, Copying)
+                | (Copying, HostReady)
+                | (HostReady, Written)
+                | (Pending | Queued | Copying | HostReady, Failed)
+        )
+    }
+
+    /// The upper-case name used in messages and in the Python binding.
+    pub fn name(self) -> &'static str {
+        match self {
+            TaskState::Pending => "PENDING",
+            TaskState::Queued => "QUEUED",
+            TaskState::Copying => "COPYING",
+            TaskState::HostReady => "HOST_READY",
+            TaskState::Written => "WRITTEN",
+            TaskState::Failed => "FAILED",
+        }
+    }
+
+    /// Parses [`TaskState::name`] back.
+    pub fn from_name(name: &str) -> Option<TaskState> {
+        TaskState::ALL.into_iter().find(|s| s.name() == name)
+    }
+
+    fn from_bits(bits: u64) -> TaskState {
+        TaskState::ALL[(bits & STATE_MASK) as usize]
+    }
+}
+
+const STATE_MASK: u64 = 0b111;
+const ESCALATED: u64 = 0b1000;
+
+/// A decoded copy of the state word.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct Snapshot(u64);
+
+impl Snapshot {
+    /// The task's state.
+    pub fn state(self) -> TaskState {
+        TaskState::from_bits(self.0)
+    }
+
+    /// Whether the task was escalated (its request finished or aborted).
+    pub fn is_escalated(self) -> bool {
+        self.0 & ESCALATED != 0
+    }
+
+    fn with_state(self, state: TaskState) -> Snapshot {
+        Snapshot((self.0 & !STATE_MASK) | state as u64)
+    }
+}
+
+impl fmt::Debug for Snapshot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Snapshot")
+            .field("state", &self.state())
+            .field("escalated", &self.is_escalated())
+            .finish()
+    }
+}
+
+/// The atomic state word of one task.
+pub struct TaskStateCell {
+    task: TaskId,
+    word: AtomicU64,
+}
+
+impl fmt::Debug for TaskStateCell {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TaskStateCell")
+            .field("task", &self.task)
+            .field("now", &self.load())
+            .finish()
+    }
+}
+
+impl TaskStateCell {
+    /// A new task in PENDING, not escalated.
+    pub fn new(task: TaskId) -> Self {
+        Self { task, word: AtomicU64::new(TaskState::Pending as u64) }
+    }
+
+    /// The task this word belongs to.
+    pub fn task(&self) -> TaskId {
+        self.task
+    }
+
+    /// The current state (acquire).
+    pub fn load(&self) -> Snapshot {
+        Snapshot(self.word.load(Ordering::Acquire))
+    }
+
+    /// The one compare-and-swap loop: applies `f` to the current snapshot until the swap
+    /// lands or `f` refuses. Returns the snapshot that was stored.
+    fn update(&self, mut f: impl FnMut(Snapshot) -> Result<Snapshot>) -> Result<Snapshot> {
+        let mut current = self.load();
+        loop {
+            let next = f(current)?;
+            match self.word.compare_exchange_weak(
+                current.0,
+                next.0,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Ok(next),
+                Err(actual) => current = Snapshot(actual),
+            }
+        }
+    }
+
+    /// Moves along one edge `from -> to`; refused unless the task is in `from` right now.
+    fn step(&self, from: TaskState, to: TaskState) -> Result<Snapshot> {
+        debug_assert!(from.can_move_to(to));
+        self.update(|now| {
+            if now.state() == from {
+                Ok(now.with_state(to))
+            } else {
+                Err(self.illegal(now.state(), to))
+            }
+        })
+    }
+
+    fn illegal(&self, from: TaskState, to: TaskState) -> Error {
+        Error::IllegalTransition { task: self.task, from, to }
+    }
+
+    /// PENDING → QUEUED: the task was pushed to a copy queue.
+    pub fn enqueue(&self) -> Result<Snapshot> {
+        self.step(TaskState::Pending, TaskState::Queued)
+    }
+
+    /// QUEUED → COPYING: a copier claimed the task. Exactly one of several racing copiers wins.
+    pub fn start_copy(&self) -> Result<Snapshot> {
+        self.step(TaskState::Queued, TaskState::Copying)
+    }
+
+    /// COPYING → HOST_READY: the task's rows are in host staging memory.
+    pub fn copy_done(&self) -> Result<Snapshot> {
+        self.step(TaskState::Copying, TaskState::HostReady)
+    }
+
+    /// HOST_READY → WRITTEN: the rows are in the pool (terminal).
+    pub fn written(&self) -> Result<Snapshot> {
+        self.step(TaskState::HostReady, TaskState::Written)
+    }
+
+    /// Any non-terminal state → FAILED (terminal). Refused from WRITTEN or FAILED.
+    pub fn fail(&self) -> Result<Snapshot> {
+        self.update(|now| {
+            if now.state().is_terminal() {
+                Err(self.illegal(now.state(), TaskState::Failed))
+            } else {
+                Ok(now.with_state(TaskState::Failed))
+            }
+        })
+    }
+
+    /// The edge `current -> to`, whichever it is; refused if it is not an edge.
+    pub fn transition(&self, to: TaskState) -> Result<Snapshot> {
+        self.update(|now| {
+            if now.state().can_move_to(to) {
+                Ok(now.with_state(to))
+            } else {
+                Err(self.illegal(now.state(), to))
+            }
+        })
+    }
+
+    /// Sets the escalated flag if the task is still PENDING or QUEUED.
+    ///
+    /// Returns the snapshot *before* the change, or `None` when the task is already
+    /// COPYING or later (it must never be re-queued) or was already escalated.
+    pub fn mark_escalated(&self) -> Option<Snapshot> {
+        let mut before = None;
+        let result = self.update(|now| {
+            before = Some(now);
+            let state = now.state();
+            if now.is_escalated() || !matches!(state, TaskState::Pending | TaskState::Queued) {
+                Err(self.illegal(state, state))
+            } else {
+                Ok(Snapshot(now.0 | ESCALATED))
+            }
+        });
+        result.ok().and(before)
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    fn cell() -> TaskStateCell {
+        TaskStateCell::new(TaskId(7))
+    }
+
+    #[test]
+    fn happy_path_reaches_written() {
+        let c = cell();
+        assert_eq!(c.enqueue().unwrap().state(), TaskState::Queued);
+        assert_eq!(c.start_copy().unwrap().state(), TaskState::Copying);
+        assert_eq!(c.copy_done().unwrap().state(), TaskState::HostReady);
+        assert_eq!(c.written().unwrap().state(), TaskState::Written);
+    }
+
+    #[test]
+    fn skipping_a_state_is_refused_with_both_states_named() {
+        let c = cell();
+        let err = c.start_copy().unwrap_err();
+        assert_eq!(
+            err,
+            Error::IllegalTransition {
+                task: TaskId(7),
+                from: TaskState::Pending,
+                to: TaskState::Copying
+            }
+        );
+        assert_eq!(err.to_string(), "task#7: illegal transition Pending -> Copying");
+        assert_eq!(c.load().state(), TaskState::Pending, "a refused move changes nothing");
+    }
+
+    #[test]
+    fn terminal_states_are_final() {
+        let c = cell();
+        c.fail().unwrap();
+        for to in TaskState::ALL {
+            assert!(c.transition(to).is_err(), "FAILED -> {to:?} must be refused");
+        }
+        let w = cell();
+        for to in [TaskState::Queued, TaskState::Copying, TaskState::HostReady, TaskState::Written] {
+            w.transition(to).unwrap();
+        }
+        assert!(w.fail().is_err());
+        assert!(w.transition(TaskState::Pending).is_err());
+    }
+
+    #[test]
+    fn fail_from_every_live_state() {
+        for stop in 0..4 {
+            let c = cell();
+            for to in &[TaskState::Queued, TaskState::Copying, TaskState::HostReady][..stop.min(3)] {
+                c.transition(*to).unwrap();
+            }
+            assert_eq!(c.fail().unwrap().state(), TaskState::Failed);
+        }
+    }
+
+    #[test]
+    fn edge_table_matches_the_diagram() {
+        let mut edges = vec![];
+        for a in TaskState::ALL {
+            for b in TaskState::ALL {
+                if a.can_move_to(b) {
+                    edges.push((a.name(), b.name()));
+                }
+            }
+        }
+        assert_eq!(
+            edges,
+            vec![
+                ("PENDING", "QUEUED"),
+                ("PENDING", "FAILED"),
+                ("QUEUED", "COPYING"),
+                ("QUEUED", "FAILED"),
+                ("COPYING", "HOST_READY"),
+                ("COPYING", "FAILED"),
+                ("HOST_READY", "WRITTEN"),
+                ("HOST_READY", "FAILED"),
+            ]
+        );
+    }
+
+    #[test]
+    fn escalation_only_before_copying_and_only_once() {
+        let c = cell();
+        assert!(c.mark_escalated().is_some());
+        assert!(c.mark_escalated().is_none(), "second escalation is a no-op");
+        assert!(c.load().is_escalated());
+        assert_eq!(c.enqueue().unwrap().is_escalated(), true, "flag survives transitions");
+        let d = cell();
+        d.enqueue().unwrap();
+        d.start_copy().unwrap();
+        assert!(d.mark_escalated().is_none());
+        assert!(!d.load().is_escalated());
+    }
+
+    #[test]
+    fn racing_copiers_exactly_one_wins() {
+        for _ in 0..200 {
+            let c = std::sync::Arc::new(cell());
+            c.enqueue().unwrap();
+            let wins: usize = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..4)
+                    .map(|_| {
+                        let c = c.clone();
+                        s.spawn(move || c.start_copy().is_ok() as usize)
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).sum()
+            });
+            assert_eq!(wins, 1);
+        }
+    }
+}
