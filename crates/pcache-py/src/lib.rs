@@ -1,1 +1,30 @@
-//! placeholder
+//! `omni_pcache._native`: a thin PyO3 binding of `pcache-core`.
+//!
+//! No logic lives here: each method converts its arguments to Rust first (numpy index arrays
+//! are borrowed, not copied), releases the GIL for anything that loops over slots or blocks
+//! or waits, calls the core, and maps errors in one place ([`errors`]).
+
+mod convert;
+mod errors;
+mod hashing;
+mod ledger;
+mod registries;
+mod tasks;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("SOURCE_ABSENT", pcache_core::ledger::SOURCE_ABSENT)?;
+    m.add("SOURCE_POOL", pcache_core::ledger::SOURCE_POOL)?;
+    m.add("HASH_SEED", pcache_core::hashing::HASH_SEED)?;
+    m.add_class::<tasks::WriteTasks>()?;
+    m.add_class::<ledger::Ledger>()?;
+    m.add_class::<ledger::ClaimOutcome>()?;
+    m.add_class::<ledger::ReadPlan>()?;
+    m.add_class::<registries::StepIds>()?;
+    m.add_class::<registries::StagingSlots>()?;
+    m.add_function(wrap_pyfunction!(hashing::block_hashes, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,95 @@
+//! Argument conversion: borrowed numpy index arrays and the GIL-release helper.
+
+use numpy::{PyArray1, PyReadonlyArray1, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+
+use crate::errors::invalid_input;
+
+/// A 1-D integer index array borrowed from Python without copying (int64 or int32, as torch
+/// and numpy produce them). Non-contiguous arrays are copied once.
+pub enum Indices<'py> {
+    I64(PyReadonlyArray1<'py, i64>),
+    I32(PyReadonlyArray1<'py, i32>),
+    Owned(Vec<i64>),
+}
+
+/// A slice view of [`Indices`], safe to use with the GIL released.
+#[derive(Clone, Copy)]
+pub enum IndexSlice<'a> {
+    I64(&'a [i64]),
+    I32(&'a [i32]),
+}
+
+impl<'py> Indices<'py> {
+    /// Accepts a 1-D numpy array of int64/int32 (or a list of ints, converted by numpy).
+    /// Anything else is an `InvalidInputError` naming the argument and what was wrong.
+    pub fn extract(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Self> {
+        let py = obj.py();
+        let array = if obj.hasattr("dtype")? {
+            obj.clone()
+        } else {
+            let np = py.import("numpy")?;
+            np.call_method1("asarray", (obj,))
+                .map_err(|e| invalid_input(format!("{what} must be a 1-D integer array: {e}")))?
+        };
+        let ndim: usize = array.getattr("ndim")?.extract()?;
+        // An empty Python list becomes float64 in numpy; treat it as an empty index array.
+        let size: usize = array.getattr("size")?.extract()?;
+        if ndim != 1 {
+            return Err(invalid_input(format!("{what} must be a 1-D integer array, got {ndim} dimensions")));
+        }
+        if let Ok(a) = array.extract::<PyReadonlyArray1<'py, i64>>() {
+            return Ok(Self::contiguous_or_copy(a, |a| Indices::I64(a)));
+        }
+        if let Ok(a) = array.extract::<PyReadonlyArray1<'py, i32>>() {
+            return Ok(Self::contiguous_or_copy(a, |a| Indices::I32(a)));
+        }
+        if size == 0 && !obj.hasattr("dtype")? {
+            return Ok(Indices::Owned(Vec::new()));
+        }
+        let dtype = array.getattr("dtype")?.str()?.to_string();
+        Err(invalid_input(format!("{what} must be an int64 or int32 array, got dtype {dtype}")))
+    }
+
+    fn contiguous_or_copy<T: numpy::Element + Copy + Into<i64>>(
+        a: PyReadonlyArray1<'py, T>,
+        wrap: impl FnOnce(PyReadonlyArray1<'py, T>) -> Indices<'py>,
+    ) -> Indices<'py> {
+        if a.is_contiguous() {
+            wrap(a)
+        } else {
+            Indices::Owned(a.as_array().iter().map(|&v| v.into()).collect())
+        }
+    }
+
+    /// The borrowed slice.
+    pub fn slice(&self) -> IndexSlice<'_> {
+        match self {
+            Indices::I64(a) => IndexSlice::I64(a.as_slice().expect("checked contiguous")),
+            Indices::I32(a) => IndexSlice::I32(a.as_slice().expect("checked contiguous")),
+            Indices::Owned(v) => IndexSlice::I64(v),
+        }
+    }
+}
+
+/// Evaluates `$body` with `$s` bound to the typed `&[T]` of an [`IndexSlice`], whichever
+/// dtype it has. Take the slice (`Indices::slice`) before releasing the GIL.
+macro_rules! with_slice {
+    ($view:expr, |$s:ident| $body:expr) => {
+        match $view {
+            $crate::convert::IndexSlice::I64($s) => $body,
+            $crate::convert::IndexSlice::I32($s) => $body,
+        }
+    };
+}
+pub(crate) use with_slice;
+
+/// Hands a `Vec<i64>` to Python as a numpy array without copying.
+pub fn int_array(py: Python<'_>, v: Vec<i64>) -> Py<PyArray1<i64>> {
+    numpy::IntoPyArray::into_pyarray(v, py).unbind()
+}
+
+/// Hands a `Vec<u64>` to Python as a numpy array without copying.
+pub fn uint_array(py: Python<'_>, v: Vec<u64>) -> Py<PyArray1<u64>> {
+    numpy::IntoPyArray::into_pyarray(v, py).unbind()
+}

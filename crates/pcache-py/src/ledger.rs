@@ -1,0 +1,157 @@
+//! `Ledger`: the slot/version ledger behind one mutex, taken with the GIL released.
+
+use numpy::PyArray1;
+use parking_lot::Mutex;
+use pcache_core::{KeyId, ReadId, TaskId};
+use pyo3::prelude::*;
+
+use crate::convert::{int_array, uint_array, with_slice, Indices};
+use crate::errors::IntoPy;
+
+/// What a claim found (see `pcache_core::ClaimOutcome`); int64 arrays.
+#[pyclass(frozen, get_all, module = "omni_pcache._native")]
+pub struct ClaimOutcome {
+    /// Slots taken from an older in-transit task, which skips them when it writes.
+    stolen_slots: Py<PyArray1<i64>>,
+    /// The task each stolen slot was taken from.
+    stolen_from: Py<PyArray1<i64>>,
+    /// Committed slots a pending read captured: copy their rows aside before overwriting.
+    preserve_slots: Py<PyArray1<i64>>,
+}
+
+/// A registered pending read (see `pcache_core::ReadPlan`).
+#[pyclass(frozen, get_all, module = "omni_pcache._native")]
+pub struct ReadPlan {
+    /// The read's id; release it when served.
+    read_id: u64,
+    /// Per slot: `SOURCE_ABSENT` (-2), `SOURCE_POOL` (-1) or the in-transit task id.
+    sources: Py<PyArray1<i64>>,
+    /// Per slot: the captured version.
+    versions: Py<PyArray1<u64>>,
+}
+
+/// The slot/version ledger. Any thread; every call takes one short mutex with the GIL released.
+#[pyclass(frozen, module = "omni_pcache._native")]
+pub struct Ledger {
+    inner: Mutex<pcache_core::Ledger>,
+}
+
+#[pymethods]
+impl Ledger {
+    /// A ledger of `num_slots` slots (`num_blocks * block_size`); zero raises `ConfigError`.
+    #[new]
+    fn new(num_slots: u32) -> PyResult<Self> {
+        Ok(Self { inner: Mutex::new(pcache_core::Ledger::new(num_slots).py_err()?) })
+    }
+
+    /// Registers a key and returns its id (0, 1, ...).
+    fn add_key(&self) -> u32 {
+        self.inner.lock().add_key().0
+    }
+
+    /// Claims `slots` of key `key_id` for task `task_id` (appended to its row order).
+    fn claim(&self, py: Python<'_>, slots: &Bound<'_, PyAny>, key_id: u32, task_id: u64) -> PyResult<ClaimOutcome> {
+        let idx = Indices::extract(slots, "slots")?;
+        let view = idx.slice();
+        let out = py
+            .detach(|| with_slice!(view, |s| self.inner.lock().claim(s, KeyId(key_id), TaskId(task_id))))
+            .py_err()?;
+        Ok(ClaimOutcome {
+            stolen_slots: int_array(py, out.stolen_slots),
+            stolen_from: int_array(py, out.stolen_from),
+            preserve_slots: int_array(py, out.preserve_slots),
+        })
+    }
+
+    /// `(positions, slots)` the task still owns on `key_id`: gather rows at `positions`,
+    /// scatter them to `slots`.
+    fn owned(&self, py: Python<'_>, task_id: u64, key_id: u32) -> PyResult<(Py<PyArray1<i64>>, Py<PyArray1<i64>>)> {
+        let (positions, slots) = py.detach(|| self.inner.lock().owned(TaskId(task_id), KeyId(key_id))).py_err()?;
+        Ok((int_array(py, positions), int_array(py, slots)))
+    }
+
+    /// The task's rows landed: slots it still owns become committed. Returns how many.
+    fn commit(&self, py: Python<'_>, task_id: u64) -> PyResult<usize> {
+        py.detach(|| self.inner.lock().commit(TaskId(task_id))).py_err()
+    }
+
+    /// The task failed: slots it still owns become absent. Returns how many.
+    fn abandon(&self, py: Python<'_>, task_id: u64) -> PyResult<usize> {
+        py.detach(|| self.inner.lock().abandon(TaskId(task_id))).py_err()
+    }
+
+    /// `(sources, versions)` of `slots` now, without registering a read.
+    fn peek(&self, py: Python<'_>, slots: &Bound<'_, PyAny>, key_id: u32) -> PyResult<(Py<PyArray1<i64>>, Py<PyArray1<u64>>)> {
+        let idx = Indices::extract(slots, "slots")?;
+        let view = idx.slice();
+        let (sources, versions) =
+            py.detach(|| with_slice!(view, |s| self.inner.lock().peek(s, KeyId(key_id)))).py_err()?;
+        Ok((int_array(py, sources), uint_array(py, versions)))
+    }
+
+    /// Plans a read: sources and captured versions, registered until `release`.
+    fn plan_read(&self, py: Python<'_>, slots: &Bound<'_, PyAny>, key_id: u32) -> PyResult<ReadPlan> {
+        let idx = Indices::extract(slots, "slots")?;
+        let view = idx.slice();
+        let plan = py.detach(|| with_slice!(view, |s| self.inner.lock().plan_read(s, KeyId(key_id)))).py_err()?;
+        Ok(ReadPlan {
+            read_id: plan.read.0,
+            sources: int_array(py, plan.sources),
+            versions: uint_array(py, plan.versions),
+        })
+    }
+
+    /// Positions of the read whose rows moved since it was planned.
+    fn validate(&self, py: Python<'_>, read_id: u64) -> PyResult<Py<PyArray1<i64>>> {
+        let moved = py.detach(|| self.inner.lock().validate(ReadId(read_id))).py_err()?;
+        Ok(int_array(py, moved))
+    }
+
+    /// Releases a pending read.
+    fn release(&self, py: Python<'_>, read_id: u64) -> PyResult<()> {
+        py.detach(|| self.inner.lock().release(ReadId(read_id))).py_err()
+    }
+
+    /// Pending reads holding each slot at its current version.
+    fn readers(&self, py: Python<'_>, slots: &Bound<'_, PyAny>, key_id: u32) -> PyResult<Py<PyArray1<i64>>> {
+        let idx = Indices::extract(slots, "slots")?;
+        let view = idx.slice();
+        let counts = py.detach(|| with_slice!(view, |s| self.inner.lock().readers(s, KeyId(key_id)))).py_err()?;
+        Ok(int_array(py, counts.into_iter().map(i64::from).collect()))
+    }
+
+    /// Slots per key.
+    #[getter]
+    fn num_slots(&self) -> u32 {
+        self.inner.lock().num_slots()
+    }
+
+    /// Registered keys.
+    #[getter]
+    fn num_keys(&self) -> u32 {
+        self.inner.lock().num_keys()
+    }
+
+    /// Tasks with live claims.
+    #[getter]
+    fn num_tasks(&self) -> usize {
+        self.inner.lock().num_tasks()
+    }
+
+    /// Reads planned and not released.
+    #[getter]
+    fn num_pending_reads(&self) -> usize {
+        self.inner.lock().num_pending_reads()
+    }
+
+    fn __repr__(&self) -> String {
+        let l = self.inner.lock();
+        format!(
+            "Ledger(num_slots={}, num_keys={}, tasks={}, pending_reads={})",
+            l.num_slots(),
+            l.num_keys(),
+            l.num_tasks(),
+            l.num_pending_reads()
+        )
+    }
+}

@@ -1,0 +1,123 @@
+//! `StepIds` and `StagingSlots`: the exactly-once step ids and the staging-slot ring.
+
+use std::time::Duration;
+
+use pcache_core::staging::Holder;
+use pcache_core::{StepId, TaskId};
+use pyo3::prelude::*;
+
+use crate::errors::{holder_tuple, invalid_input, IntoPy};
+
+/// Exactly-once step ids. Any thread.
+#[pyclass(frozen, module = "omni_pcache._native")]
+pub struct StepIds {
+    inner: pcache_core::StepIds,
+}
+
+#[pymethods]
+impl StepIds {
+    #[new]
+    fn new() -> Self {
+        Self { inner: pcache_core::StepIds::new() }
+    }
+
+    /// Issues the next step id (increasing).
+    fn issue(&self) -> u64 {
+        self.inner.issue().0
+    }
+
+    /// Consumes a step id; twice or never issued raises `StepIdError` listing outstanding ids.
+    fn consume(&self, step_id: u64) -> PyResult<()> {
+        self.inner.consume(StepId(step_id)).py_err()
+    }
+
+    /// Whether the id was issued and not yet consumed.
+    fn is_outstanding(&self, step_id: u64) -> bool {
+        self.inner.is_outstanding(StepId(step_id))
+    }
+
+    /// Outstanding ids, oldest first.
+    fn outstanding(&self) -> Vec<u64> {
+        self.inner.outstanding().into_iter().map(|s| s.0).collect()
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.num_outstanding()
+    }
+}
+
+fn parse_holder(holder: (String, u64)) -> PyResult<Holder> {
+    match holder.0.as_str() {
+        "step" => Ok(Holder::Step(StepId(holder.1))),
+        "task" => Ok(Holder::Task(TaskId(holder.1))),
+        other => Err(invalid_input(format!("holder kind must be 'step' or 'task', got {other:?}"))),
+    }
+}
+
+fn timeout(seconds: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(seconds)
+        .map_err(|_| invalid_input(format!("timeout_s must be a finite number >= 0, got {seconds}")))
+}
+
+/// The staging-slot ring. Holders are `("step", step_id)` or `("task", task_id)` tuples.
+/// Any thread; `claim` waits with the GIL released.
+#[pyclass(frozen, module = "omni_pcache._native")]
+pub struct StagingSlots {
+    inner: pcache_core::StagingSlots,
+}
+
+#[pymethods]
+impl StagingSlots {
+    /// `num_slots` free slots; zero raises `ConfigError`.
+    #[new]
+    fn new(num_slots: usize) -> PyResult<Self> {
+        Ok(Self { inner: pcache_core::StagingSlots::new(num_slots).py_err()? })
+    }
+
+    /// Takes the next free slot for `holder`, waiting up to `timeout_s` (0 = fail at once);
+    /// raises `StagingTimeoutError` listing every slot's holders, or `CacheClosedError`.
+    #[pyo3(signature = (holder, timeout_s=0.0))]
+    fn claim(&self, py: Python<'_>, holder: (String, u64), timeout_s: f64) -> PyResult<usize> {
+        let holder = parse_holder(holder)?;
+        let timeout = timeout(timeout_s)?;
+        py.detach(|| self.inner.claim(holder, timeout)).py_err()
+    }
+
+    /// Adds a holder to a slot.
+    fn hold(&self, slot: usize, holder: (String, u64)) -> PyResult<()> {
+        self.inner.hold(slot, parse_holder(holder)?).py_err()
+    }
+
+    /// Removes a holder; returns whether the slot became free.
+    fn release(&self, slot: usize, holder: (String, u64)) -> PyResult<bool> {
+        self.inner.release(slot, parse_holder(holder)?).py_err()
+    }
+
+    /// Holders of every slot.
+    fn holders(&self) -> Vec<Vec<(&'static str, u64)>> {
+        self.inner.holders().iter().map(|hs| hs.iter().map(holder_tuple).collect()).collect()
+    }
+
+    /// Slots with no holder.
+    #[getter]
+    fn num_free(&self) -> usize {
+        self.inner.num_free()
+    }
+
+    /// Number of slots.
+    #[getter]
+    fn num_slots(&self) -> usize {
+        self.inner.num_slots()
+    }
+
+    /// Wakes every waiter with `CacheClosedError`; later claims raise it too. Idempotent.
+    fn close(&self) {
+        self.inner.close()
+    }
+
+    /// Whether `close` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner.is_closed()
+    }
+}

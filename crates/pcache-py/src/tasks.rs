@@ -1,0 +1,134 @@
+//! `WriteTasks`: the task table, the task state machine and the copy/completion queues.
+
+use numpy::PyArray1;
+use pcache_core::{CopyQueues, Escalation, Priority, TaskId, TaskState, TaskTable};
+use pyo3::prelude::*;
+
+use crate::convert::int_array;
+use crate::errors::{invalid_input, IntoPy};
+
+/// Write tasks and their queues. Any thread; state changes are lock-free compare-and-swaps.
+#[pyclass(frozen, module = "omni_pcache._native")]
+pub struct WriteTasks {
+    table: TaskTable,
+    queues: CopyQueues,
+}
+
+fn state_name(s: TaskState) -> &'static str {
+    s.name()
+}
+
+#[pymethods]
+impl WriteTasks {
+    #[new]
+    fn new() -> Self {
+        Self { table: TaskTable::new(), queues: CopyQueues::new() }
+    }
+
+    /// Issues a new task in PENDING and returns its id.
+    fn create(&self) -> u64 {
+        self.table.create().id().0
+    }
+
+    /// The task's state name (`"PENDING"`, ..., `"FAILED"`).
+    fn state(&self, task_id: u64) -> PyResult<&'static str> {
+        Ok(state_name(self.table.get(TaskId(task_id)).py_err()?.state().load().state()))
+    }
+
+    /// Whether the task was escalated.
+    fn is_escalated(&self, task_id: u64) -> PyResult<bool> {
+        Ok(self.table.get(TaskId(task_id)).py_err()?.state().load().is_escalated())
+    }
+
+    /// PENDING → QUEUED, into the high or low lane (the escalated lane if escalated before).
+    #[pyo3(signature = (task_id, high=true))]
+    fn enqueue(&self, task_id: u64, high: bool) -> PyResult<()> {
+        let task = self.table.get(TaskId(task_id)).py_err()?;
+        let priority = if high { Priority::High } else { Priority::Low };
+        self.queues.push(task, priority).py_err()
+    }
+
+    /// Moves a task to the front of the queue; returns `"moved_to_front"`, `"flagged"`
+    /// (PENDING: it will be queued first) or `"unchanged"` (already escalated, or COPYING
+    /// or later: never re-queued).
+    fn escalate(&self, task_id: u64) -> PyResult<&'static str> {
+        let task = self.table.get(TaskId(task_id)).py_err()?;
+        Ok(match self.queues.escalate(&task) {
+            Escalation::MovedToFront => "moved_to_front",
+            Escalation::Flagged => "flagged",
+            Escalation::Unchanged => "unchanged",
+        })
+    }
+
+    /// Claims the next queued task for copying (QUEUED → COPYING), escalated first, then
+    /// high, then low; `None` when nothing is queued.
+    fn pop(&self) -> Option<u64> {
+        self.queues.pop().map(|t| t.id().0)
+    }
+
+    /// QUEUED → COPYING for one specific task (its queue entry goes stale). Of several
+    /// racing callers exactly one succeeds; the others get `TaskStateError`.
+    fn start_copy(&self, task_id: u64) -> PyResult<()> {
+        self.table.get(TaskId(task_id)).py_err()?.state().start_copy().map(drop).py_err()
+    }
+
+    /// COPYING → HOST_READY.
+    fn copy_done(&self, task_id: u64) -> PyResult<()> {
+        self.table.get(TaskId(task_id)).py_err()?.state().copy_done().map(drop).py_err()
+    }
+
+    /// HOST_READY → WRITTEN.
+    fn written(&self, task_id: u64) -> PyResult<()> {
+        self.table.get(TaskId(task_id)).py_err()?.state().written().map(drop).py_err()
+    }
+
+    /// Any non-terminal state → FAILED.
+    fn fail(&self, task_id: u64) -> PyResult<()> {
+        self.table.get(TaskId(task_id)).py_err()?.state().fail().map(drop).py_err()
+    }
+
+    /// Publishes a WRITTEN or FAILED task on the completion queue.
+    fn complete(&self, task_id: u64) -> PyResult<()> {
+        let task = self.table.get(TaskId(task_id)).py_err()?;
+        let state = task.state().load().state();
+        if !state.is_terminal() {
+            return Err(invalid_input(format!(
+                "{} is {} and cannot complete (only WRITTEN or FAILED tasks do)",
+                task.id(),
+                state.name()
+            )));
+        }
+        self.queues.complete(task.id());
+        Ok(())
+    }
+
+    /// Every published completion, oldest first, as an int64 array.
+    fn drain_completions(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        let ids = self.queues.drain_completions().into_iter().map(|t| t.0 as i64).collect();
+        int_array(py, ids)
+    }
+
+    /// Drops a WRITTEN or FAILED task from the table.
+    fn remove(&self, task_id: u64) -> PyResult<()> {
+        self.table.remove(TaskId(task_id)).map(drop).py_err()
+    }
+
+    /// `(task_id, state)` of every live task, by id: the "which task is stuck" diagnostic.
+    fn states(&self) -> Vec<(u64, &'static str)> {
+        self.table.states().into_iter().map(|(t, s)| (t.0, state_name(s))).collect()
+    }
+
+    /// Entries in the copy lanes, stale ones included.
+    #[getter]
+    fn num_queue_entries(&self) -> usize {
+        self.queues.num_entries()
+    }
+
+    fn __len__(&self) -> usize {
+        self.table.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("WriteTasks(live={}, queue_entries={})", self.table.len(), self.queues.num_entries())
+    }
+}

@@ -1,0 +1,55 @@
+# omni_pcache developer workflows. `just` lists them. Every recipe uses the project's .venv
+# (created by `just setup`, which the test recipe runs first, so a fresh clone works).
+
+set shell := ["bash", "-euo", "pipefail", "-c"]
+
+venv := justfile_directory() / ".venv"
+export VIRTUAL_ENV := venv
+export PATH := venv / "bin" + ":" + env_var("PATH")
+
+# List the recipes.
+default:
+    @just --list --unsorted
+
+# Create/refresh .venv with torch, maturin, pytest, hypothesis, ruff (idempotent; seconds when done).
+setup:
+    bash scripts/setup.sh
+
+# Build the native module into .venv (debug build; fast to compile).
+develop:
+    maturin develop --quiet
+
+# Run every test: Rust unit/property tests, then the Python suite (slow cases excluded).
+test: setup
+    cargo test -p pcache-core --quiet
+    just develop
+    python -m pytest -m "not slow" -q
+
+# Run the slow cases too (larger hypothesis budgets, longer soaks).
+test-slow: setup develop
+    HYPOTHESIS_PROFILE=slow python -m pytest -q
+
+# Exhaustive loom models of the task state machine and the copy queue.
+loom:
+    RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=3 cargo test -p pcache-core --release --test loom_models -- --nocapture
+
+# Criterion benchmarks of the core (claim/commit, plan_read, transitions, queues, hashing).
+bench:
+    cargo bench -p pcache-core --bench core
+
+# Build the abi3 wheel into dist/ (what `pip install .` builds).
+wheel: setup
+    maturin build --release --out dist
+
+# cargo fmt --check, clippy -D warnings, ruff.
+lint: setup
+    cargo fmt --all --check
+    cargo clippy --workspace --all-targets -- -D warnings
+    ruff check python tests benches
+    ruff format --check python tests benches
+
+# Format Rust and Python.
+fmt: setup
+    cargo fmt --all
+    ruff check --fix python tests benches
+    ruff format python tests benches

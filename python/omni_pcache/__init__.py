@@ -1,0 +1,57 @@
+"""omni_pcache: a tensor prefix cache for paged-KV inference engines.
+
+It keeps a host mirror of per-token outputs (hidden states, multimodal tensors) addressed by
+the engine's KV block/slot ids, so a prefix-cache hit can still return full-sequence outputs.
+The Rust core (``omni_pcache._native``) decides which rows go where and when; this package
+moves tensors.
+"""
+
+from __future__ import annotations
+
+from omni_pcache._native import (
+    HASH_SEED,
+    SOURCE_ABSENT,
+    SOURCE_POOL,
+    ClaimOutcome,
+    Ledger,
+    ReadPlan,
+    StagingSlots,
+    StepIds,
+    WriteTasks,
+    __version__,
+)
+from omni_pcache.errors import (
+    CacheClosedError,
+    ConfigError,
+    InvalidInputError,
+    PrefixCacheError,
+    StagingTimeoutError,
+    StepIdError,
+    TaskStateError,
+    UnservableHitError,
+    WriteFailedError,
+)
+from omni_pcache.hashing import hash_blocks
+
+__all__ = [
+    "HASH_SEED",
+    "SOURCE_ABSENT",
+    "SOURCE_POOL",
+    "CacheClosedError",
+    "ClaimOutcome",
+    "ConfigError",
+    "InvalidInputError",
+    "Ledger",
+    "PrefixCacheError",
+    "ReadPlan",
+    "StagingSlots",
+    "StagingTimeoutError",
+    "StepIdError",
+    "StepIds",
+    "TaskStateError",
+    "UnservableHitError",
+    "WriteFailedError",
+    "WriteTasks",
+    "__version__",
+    "hash_blocks",
+]
