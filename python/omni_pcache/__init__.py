@@ -31,7 +31,7 @@ from omni_pcache.errors import (
     UnservableHitError,
     WriteFailedError,
 )
-from omni_pcache.hashing import hash_blocks
+from omni_pcache.hashing import block_hashes, hash_blocks
 
 __all__ = [
     "HASH_SEED",
@@ -53,5 +53,6 @@ __all__ = [
     "WriteFailedError",
     "WriteTasks",
     "__version__",
+    "block_hashes",
     "hash_blocks",
 ]

@@ -11,7 +11,9 @@ use crate::errors::{invalid_input, IntoPy};
 #[pyclass(frozen, module = "omni_pcache._native")]
 pub struct WriteTasks {
     table: TaskTable,
-    queues: CopyQueues,
+    /// Boxed: crossbeam's cache-padded lanes need 128-byte alignment, more than Python's
+    /// object allocator guarantees for the pyclass itself.
+    queues: Box<CopyQueues>,
 }
 
 fn state_name(s: TaskState) -> &'static str {
@@ -22,7 +24,7 @@ fn state_name(s: TaskState) -> &'static str {
 impl WriteTasks {
     #[new]
     fn new() -> Self {
-        Self { table: TaskTable::new(), queues: CopyQueues::new() }
+        Self { table: TaskTable::new(), queues: Box::new(CopyQueues::new()) }
     }
 
     /// Issues a new task in PENDING and returns its id.

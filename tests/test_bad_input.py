@@ -1,0 +1,169 @@
+"""Bad input to the native core: a typed error that says what was wrong, and no change.
+
+Every case keeps using the object afterwards and checks its state is what it was.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from omni_pcache import (
+    SOURCE_ABSENT,
+    SOURCE_POOL,
+    CacheClosedError,
+    ConfigError,
+    InvalidInputError,
+    Ledger,
+    PrefixCacheError,
+    StagingSlots,
+    StepIds,
+    TaskStateError,
+    WriteTasks,
+    hash_blocks,
+)
+
+
+@pytest.fixture
+def ledger() -> Ledger:
+    ledger = Ledger(32)
+    key = ledger.add_key()
+    ledger.claim(np.arange(4, dtype=np.int64), key, task_id=1)
+    ledger.commit(1)
+    return ledger
+
+
+def snapshot(ledger: Ledger) -> tuple[list[int], list[int], int, int]:
+    sources, versions = ledger.peek(np.arange(32), 0)
+    return sources.tolist(), versions.tolist(), ledger.num_tasks, ledger.num_pending_reads
+
+
+@pytest.mark.parametrize(
+    ("slots", "message"),
+    [
+        (np.array([5, -1], dtype=np.int64), "slot id -1 at position 1 is out of range [0, 32)"),
+        (np.array([32], dtype=np.int64), "slot id 32 at position 0 is out of range [0, 32)"),
+        (np.array([7, 8, 7], dtype=np.int64), "slot id 7 appears twice in one claim (positions 0 and 2)"),
+        (np.array([1.0, 2.0]), "slots must be an int64 or int32 array, got dtype float64"),
+        (np.array([1, 2], dtype=np.uint8), "got dtype uint8"),
+        (np.zeros((2, 2), dtype=np.int64), "slots must be a 1-D integer array, got 2 dimensions"),
+        ("not slots", "slots must be"),
+    ],
+)
+def test_bad_claims_are_refused_and_change_nothing(ledger: Ledger, slots: object, message: str) -> None:
+    before = snapshot(ledger)
+    with pytest.raises(InvalidInputError) as err:
+        ledger.claim(slots, 0, task_id=2)
+    assert message in str(err.value)
+    assert isinstance(err.value, ValueError), "InvalidInputError is also a ValueError"
+    assert snapshot(ledger) == before
+    # Still usable.
+    out = ledger.claim(np.array([4, 5]), 0, task_id=2)
+    assert out.stolen_slots.size == 0
+    assert ledger.commit(2) == 2
+
+
+def test_unknown_key_task_and_read(ledger: Ledger) -> None:
+    before = snapshot(ledger)
+    with pytest.raises(InvalidInputError, match=r"unknown key#3 \(registered keys: 1\)"):
+        ledger.claim([1, 2], 3, task_id=5)
+    with pytest.raises(InvalidInputError, match=r"unknown key#1"):
+        ledger.plan_read([1], 1)
+    with pytest.raises(InvalidInputError, match=r"unknown task#77") as err:
+        ledger.commit(77)
+    assert err.value.task_id == 77
+    with pytest.raises(InvalidInputError, match=r"unknown task#77"):
+        ledger.abandon(77)
+    with pytest.raises(InvalidInputError, match=r"unknown read#9 \(never planned, or already released\)"):
+        ledger.validate(9)
+    with pytest.raises(InvalidInputError, match=r"unknown read#9"):
+        ledger.release(9)
+    assert snapshot(ledger) == before
+    plan = ledger.plan_read([0, 1], 0)
+    assert plan.sources.tolist() == [SOURCE_POOL, SOURCE_POOL]
+    ledger.release(plan.read_id)
+
+
+def test_lists_and_int32_arrays_are_accepted(ledger: Ledger) -> None:
+    plan = ledger.plan_read([0, 9], 0)
+    assert plan.sources.tolist() == [SOURCE_POOL, SOURCE_ABSENT]
+    ledger.release(plan.read_id)
+    strided = np.arange(0, 8, dtype=np.int32)[::2]
+    plan = ledger.plan_read(strided, 0)
+    assert plan.sources.tolist() == [SOURCE_POOL, SOURCE_POOL, SOURCE_ABSENT, SOURCE_ABSENT]
+    ledger.release(plan.read_id)
+    assert ledger.plan_read([], 0).sources.size == 0
+
+
+@pytest.mark.parametrize("factory", [lambda: Ledger(0), lambda: StagingSlots(0)])
+def test_zero_sized_registries_raise_config_error(factory) -> None:
+    with pytest.raises(ConfigError, match="at least one slot"):
+        factory()
+
+
+def test_negative_sizes_are_rejected_before_the_core() -> None:
+    with pytest.raises(OverflowError):
+        Ledger(-4)
+
+
+def test_unknown_task_ids_and_illegal_moves_on_write_tasks() -> None:
+    tasks = WriteTasks()
+    task = tasks.create()
+    with pytest.raises(InvalidInputError, match=r"unknown task#42"):
+        tasks.state(42)
+    with pytest.raises(InvalidInputError, match=r"unknown task#42"):
+        tasks.enqueue(42)
+    with pytest.raises(TaskStateError, match=rf"task#{task}: illegal transition Pending -> HostReady") as err:
+        tasks.copy_done(task)
+    assert (err.value.from_state, err.value.to_state) == ("PENDING", "HOST_READY")
+    with pytest.raises(InvalidInputError, match="is still PENDING and cannot be removed"):
+        tasks.remove(task)
+    assert tasks.state(task) == "PENDING"
+    tasks.enqueue(task)
+    assert tasks.pop() == task
+    assert tasks.state(task) == "COPYING"
+
+
+def test_step_ids_errors_list_outstanding() -> None:
+    ids = StepIds()
+    a, b = ids.issue(), ids.issue()
+    ids.consume(b)
+    with pytest.raises(PrefixCacheError, match=r"step#1 was already consumed; outstanding step ids: \[step#0\]"):
+        ids.consume(b)
+    with pytest.raises(PrefixCacheError, match=r"step#-?\d+ was never issued") as err:
+        ids.consume(10)
+    assert err.value.outstanding == [a]
+    with pytest.raises(OverflowError):
+        ids.consume(-1)
+    assert ids.outstanding() == [a]
+
+
+def test_staging_bad_input() -> None:
+    staging = StagingSlots(2)
+    with pytest.raises(InvalidInputError, match="holder kind must be 'step' or 'task'"):
+        staging.claim(("page", 1))
+    with pytest.raises(InvalidInputError, match="timeout_s must be a finite number >= 0, got -1"):
+        staging.claim(("step", 1), -1.0)
+    with pytest.raises(InvalidInputError, match="timeout_s must be a finite number"):
+        staging.claim(("step", 1), float("nan"))
+    with pytest.raises(InvalidInputError, match=r"staging slot 5 is out of range \[0, 2\)"):
+        staging.hold(5, ("task", 1))
+    with pytest.raises(InvalidInputError, match="does not hold staging slot 0"):
+        staging.release(0, ("step", 1))
+    assert staging.num_free == 2
+    assert staging.claim(("step", 1)) == 0
+    staging.close()
+    with pytest.raises(CacheClosedError):
+        staging.claim(("step", 2))
+    assert staging.release(0, ("step", 1)) is True
+
+
+def test_hash_bad_input() -> None:
+    with pytest.raises(InvalidInputError, match="token id -5 at position 1 is outside"):
+        hash_blocks([1, -5, 3, 4], 2)
+    with pytest.raises(InvalidInputError, match="block_size must be at least 1"):
+        hash_blocks([1, 2], 0)
+    with pytest.raises(InvalidInputError, match="1 extra keys for 2 full blocks"):
+        hash_blocks([1, 2, 3, 4], 2, extra_keys=[None])
+    with pytest.raises(InvalidInputError, match="got dtype float32"):
+        hash_blocks(np.ones(4, dtype=np.float32), 2)
