@@ -18,7 +18,11 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub enum Error {
     /// A write-task transition that is not an edge of the state machine.
     #[error("{task}: illegal transition {from:?} -> {to:?}")]
-    IllegalTransition { task: TaskId, from: TaskState, to: TaskState },
+    IllegalTransition {
+        task: TaskId,
+        from: TaskState,
+        to: TaskState,
+    },
 
     /// A task id that was never issued or has already been removed.
     #[error("unknown {task}")]
@@ -30,11 +34,19 @@ pub enum Error {
 
     /// A slot id outside `[0, num_slots)` (negative ids included).
     #[error("slot id {slot} at position {position} is out of range [0, {num_slots})")]
-    SlotOutOfRange { slot: i64, position: usize, num_slots: u32 },
+    SlotOutOfRange {
+        slot: i64,
+        position: usize,
+        num_slots: u32,
+    },
 
     /// The same slot twice in one claim.
     #[error("slot id {slot} appears twice in one claim (positions {first} and {second})")]
-    DuplicateSlot { slot: u32, first: usize, second: usize },
+    DuplicateSlot {
+        slot: u32,
+        first: usize,
+        second: usize,
+    },
 
     /// A key id that was never registered.
     #[error("unknown {key} (registered keys: {num_keys})")]
@@ -46,15 +58,27 @@ pub enum Error {
 
     /// A step id consumed a second time.
     #[error("{step} was already consumed; outstanding step ids: {outstanding:?}")]
-    StepAlreadyConsumed { step: StepId, outstanding: Vec<StepId> },
+    StepAlreadyConsumed {
+        step: StepId,
+        outstanding: Vec<StepId>,
+    },
 
     /// A step id that was never issued.
     #[error("{step} was never issued; outstanding step ids: {outstanding:?}")]
-    UnknownStep { step: StepId, outstanding: Vec<StepId> },
+    UnknownStep {
+        step: StepId,
+        outstanding: Vec<StepId>,
+    },
 
     /// No staging slot became free within the timeout.
-    #[error("no staging slot free after {timeout:?}; holders per slot: {}", fmt_holders(holders))]
-    StagingTimeout { timeout: Duration, holders: Vec<Vec<Holder>> },
+    #[error(
+        "no staging slot free after {timeout:?}; holders per slot: {}",
+        fmt_holders(holders)
+    )]
+    StagingTimeout {
+        timeout: Duration,
+        holders: Vec<Vec<Holder>>,
+    },
 
     /// A staging slot index outside the registry.
     #[error("staging slot {slot} is out of range [0, {num_slots})")]
@@ -62,7 +86,11 @@ pub enum Error {
 
     /// Releasing a holder that does not hold that staging slot.
     #[error("{holder:?} does not hold staging slot {slot} (holders: {holders:?})")]
-    NotAHolder { slot: usize, holder: Holder, holders: Vec<Holder> },
+    NotAHolder {
+        slot: usize,
+        holder: Holder,
+        holders: Vec<Holder>,
+    },
 
     /// The staging registry was closed; every waiter is woken with this.
     #[error("staging registry is closed")]

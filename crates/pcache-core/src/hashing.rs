@@ -62,9 +62,14 @@ impl BlockHasher {
     /// A hasher for blocks of `block_size` tokens (at least 1).
     pub fn new(block_size: usize) -> Result<Self> {
         if block_size == 0 {
-            return Err(Error::InvalidInput { what: "block_size must be at least 1".into() });
+            return Err(Error::InvalidInput {
+                what: "block_size must be at least 1".into(),
+            });
         }
-        Ok(Self { block_size, buf: Vec::with_capacity(17 + 4 * block_size + 9) })
+        Ok(Self {
+            block_size,
+            buf: Vec::with_capacity(17 + 4 * block_size + 9),
+        })
     }
 
     /// Tokens per block.
@@ -73,7 +78,12 @@ impl BlockHasher {
     }
 
     /// The hash of one block from its parent, tokens (exactly `block_size`) and extra bytes.
-    fn hash_one<T: RawToken>(&mut self, parent: Option<BlockHash>, tokens: &[T], extra: Option<&[u8]>) -> BlockHash {
+    fn hash_one<T: RawToken>(
+        &mut self,
+        parent: Option<BlockHash>,
+        tokens: &[T],
+        extra: Option<&[u8]>,
+    ) -> BlockHash {
         let buf = &mut self.buf;
         buf.clear();
         match parent {
@@ -160,7 +170,10 @@ mod tests {
         assert_eq!(hex, GOLDEN.to_vec());
     }
 
-    const GOLDEN: [&str; 2] = ["dac25f2f9b6e9e291e59a84c1f9ac30c", "9c018fa34744816c203598fdf9865d71"];
+    const GOLDEN: [&str; 2] = [
+        "dac25f2f9b6e9e291e59a84c1f9ac30c",
+        "9c018fa34744816c203598fdf9865d71",
+    ];
 
     #[test]
     fn chaining_from_a_parent_equals_hashing_the_whole_prompt() {
@@ -189,18 +202,26 @@ mod tests {
         let plain = h.hash_blocks(&t, None, None).unwrap();
         let none_extra = h.hash_blocks(&t, None, Some(&[None, None])).unwrap();
         assert_eq!(plain, none_extra);
-        let img = h.hash_blocks(&t, None, Some(&[None, Some(b"img:42".as_slice())])).unwrap();
+        let img = h
+            .hash_blocks(&t, None, Some(&[None, Some(b"img:42".as_slice())]))
+            .unwrap();
         assert_eq!(plain[0], img[0]);
         assert_ne!(plain[1], img[1]);
         let zero_parent = h.hash_blocks(&t, Some(BlockHash(0)), None).unwrap();
-        assert_ne!(plain[0], zero_parent[0], "no parent differs from a zero parent");
+        assert_ne!(
+            plain[0], zero_parent[0],
+            "no parent differs from a zero parent"
+        );
     }
 
     #[test]
     fn int64_tokens_hash_like_u32_tokens() {
         let mut h = BlockHasher::new(4).unwrap();
         let t64: Vec<i64> = tokens(8).into_iter().map(i64::from).collect();
-        assert_eq!(h.hash_blocks(&t64, None, None).unwrap(), h.hash_blocks(&tokens(8), None, None).unwrap());
+        assert_eq!(
+            h.hash_blocks(&t64, None, None).unwrap(),
+            h.hash_blocks(&tokens(8), None, None).unwrap()
+        );
     }
 
     #[test]
@@ -208,9 +229,17 @@ mod tests {
         assert!(BlockHasher::new(0).is_err());
         let mut h = BlockHasher::new(2).unwrap();
         let err = h.hash_blocks(&[1i64, -5, 3, 4], None, None).unwrap_err();
-        assert_eq!(err.to_string(), "invalid input: token id -5 at position 1 is outside [0, 2^32)");
-        let err = h.hash_blocks(&[1i64, 2, 3, 4], None, Some(&[None])).unwrap_err();
-        assert!(err.to_string().contains("1 extra keys for 2 full blocks"), "{err}");
+        assert_eq!(
+            err.to_string(),
+            "invalid input: token id -5 at position 1 is outside [0, 2^32)"
+        );
+        let err = h
+            .hash_blocks(&[1i64, 2, 3, 4], None, Some(&[None]))
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("1 extra keys for 2 full blocks"),
+            "{err}"
+        );
         assert!(h.hash_blocks(&[1i64], None, None).unwrap().is_empty());
     }
 }

@@ -167,7 +167,9 @@ impl Ledger {
     /// A ledger for `num_slots` slots (`num_blocks * block_size`) and no keys yet.
     pub fn new(num_slots: u32) -> Result<Self> {
         if num_slots == 0 {
-            return Err(Error::InvalidConfig { what: "a ledger needs at least one slot".into() });
+            return Err(Error::InvalidConfig {
+                what: "a ledger needs at least one slot".into(),
+            });
         }
         Ok(Self {
             num_slots,
@@ -215,7 +217,10 @@ impl Ledger {
         if key.0 < self.num_keys() {
             Ok(())
         } else {
-            Err(Error::UnknownKey { key, num_keys: self.num_keys() })
+            Err(Error::UnknownKey {
+                key,
+                num_keys: self.num_keys(),
+            })
         }
     }
 
@@ -223,7 +228,11 @@ impl Ledger {
         for (position, s) in slots.iter().enumerate() {
             let slot = s.to_i64();
             if slot < 0 || slot >= self.num_slots as i64 {
-                return Err(Error::SlotOutOfRange { slot, position, num_slots: self.num_slots });
+                return Err(Error::SlotOutOfRange {
+                    slot,
+                    position,
+                    num_slots: self.num_slots,
+                });
             }
         }
         Ok(())
@@ -238,8 +247,15 @@ impl Ledger {
         for (position, s) in slots.iter().enumerate() {
             let slot = s.to_i64() as usize;
             if self.seen[slot] == self.epoch {
-                let first = slots.iter().position(|x| x.to_i64() as usize == slot).unwrap_or(0);
-                return Err(Error::DuplicateSlot { slot: slot as u32, first, second: position });
+                let first = slots
+                    .iter()
+                    .position(|x| x.to_i64() as usize == slot)
+                    .unwrap_or(0);
+                return Err(Error::DuplicateSlot {
+                    slot: slot as u32,
+                    first,
+                    second: position,
+                });
             }
             self.seen[slot] = self.epoch;
         }
@@ -250,7 +266,12 @@ impl Ledger {
     /// task already claimed on this key). Every slot's version is bumped and its owner becomes
     /// `task`. Refused as a whole (nothing changes) for an unknown key, an out-of-range or
     /// negative slot, or a slot listed twice.
-    pub fn claim<S: RawSlot>(&mut self, slots: &[S], key: KeyId, task: TaskId) -> Result<ClaimOutcome> {
+    pub fn claim<S: RawSlot>(
+        &mut self,
+        slots: &[S],
+        key: KeyId,
+        task: TaskId,
+    ) -> Result<ClaimOutcome> {
         self.check_key(key)?;
         self.check_slots(slots)?;
         self.check_unique(slots)?;
@@ -304,7 +325,10 @@ impl Ledger {
 
     /// Ends `task`'s claims, setting every slot it still owns to `to`. Returns how many.
     fn settle(&mut self, task: TaskId, to: u64) -> Result<usize> {
-        let claims = self.tasks.remove(&task).ok_or(Error::UnknownTask { task })?;
+        let claims = self
+            .tasks
+            .remove(&task)
+            .ok_or(Error::UnknownTask { task })?;
         let me = task.0 + OWNER_TASK_BASE;
         let mut n = 0;
         for (key, rows) in claims.per_key {
@@ -337,8 +361,14 @@ impl Ledger {
         self.check_key(key)?;
         self.check_slots(slots)?;
         let cols = &self.keys[key.0 as usize];
-        let sources = slots.iter().map(|s| Source::from_owner(cols.owner[s.to_i64() as usize]).code()).collect();
-        let versions = slots.iter().map(|s| cols.version[s.to_i64() as usize]).collect();
+        let sources = slots
+            .iter()
+            .map(|s| Source::from_owner(cols.owner[s.to_i64() as usize]).code())
+            .collect();
+        let versions = slots
+            .iter()
+            .map(|s| cols.version[s.to_i64() as usize])
+            .collect();
         Ok((sources, versions))
     }
 
@@ -350,8 +380,12 @@ impl Ledger {
         self.check_slots(slots)?;
         let cols = &mut self.keys[key.0 as usize];
         let n = slots.len();
-        let (mut sources, mut versions, mut owners, mut raw) =
-            (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
+        let (mut sources, mut versions, mut owners, mut raw) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
         for s in slots {
             let slot = s.to_i64() as usize;
             let owner = cols.owner[slot];
@@ -363,8 +397,20 @@ impl Ledger {
         }
         let read = ReadId(self.next_read);
         self.next_read += 1;
-        self.reads.insert(read, PendingRead { key, slots: raw, versions: versions.clone(), owners });
-        Ok(ReadPlan { read, sources, versions })
+        self.reads.insert(
+            read,
+            PendingRead {
+                key,
+                slots: raw,
+                versions: versions.clone(),
+                owners,
+            },
+        );
+        Ok(ReadPlan {
+            read,
+            sources,
+            versions,
+        })
     }
 
     /// Positions (in the read's slot order) whose row moved since the read was planned: the
@@ -385,7 +431,10 @@ impl Ledger {
 
     /// Releases a pending read: its slots no longer need preserving.
     pub fn release(&mut self, read: ReadId) -> Result<()> {
-        let r = self.reads.remove(&read).ok_or(Error::UnknownRead { read })?;
+        let r = self
+            .reads
+            .remove(&read)
+            .ok_or(Error::UnknownRead { read })?;
         let cols = &mut self.keys[r.key.0 as usize];
         for (&slot, &version) in r.slots.iter().zip(&r.versions) {
             let s = slot as usize;
@@ -401,7 +450,10 @@ impl Ledger {
         self.check_key(key)?;
         self.check_slots(slots)?;
         let cols = &self.keys[key.0 as usize];
-        Ok(slots.iter().map(|s| cols.readers[s.to_i64() as usize]).collect())
+        Ok(slots
+            .iter()
+            .map(|s| cols.readers[s.to_i64() as usize])
+            .collect())
     }
 }
 
@@ -423,7 +475,10 @@ mod tests {
         let (mut l, k) = ledger_with_key();
         let out = l.claim(&[4i64, 5, 6], k, T1).unwrap();
         assert_eq!(out, ClaimOutcome::default());
-        assert_eq!(l.peek(&[4i64, 5, 6, 7], k).unwrap(), (vec![1, 1, 1, SOURCE_ABSENT], vec![1, 1, 1, 0]));
+        assert_eq!(
+            l.peek(&[4i64, 5, 6, 7], k).unwrap(),
+            (vec![1, 1, 1, SOURCE_ABSENT], vec![1, 1, 1, 0])
+        );
         assert_eq!(l.commit(T1).unwrap(), 3);
         assert_eq!(l.peek(&[4i64], k).unwrap(), (vec![SOURCE_POOL], vec![1]));
         assert_eq!(l.num_tasks(), 0);
@@ -456,7 +511,11 @@ mod tests {
         assert!(out.stolen_slots.is_empty());
         assert_eq!(l.validate(plan.read).unwrap(), vec![1]);
         // Only once: the read captured the old version, a second claim needs no copy.
-        assert!(l.claim(&[9i64], k, TaskId(3)).unwrap().preserve_slots.is_empty());
+        assert!(l
+            .claim(&[9i64], k, TaskId(3))
+            .unwrap()
+            .preserve_slots
+            .is_empty());
         l.release(plan.read).unwrap();
         assert_eq!(l.readers(&[8i64, 9], k).unwrap(), vec![0, 0]);
     }
@@ -470,7 +529,10 @@ mod tests {
         assert_eq!(l.readers(&[0i64], k).unwrap(), vec![2]);
         l.release(plan.read).unwrap();
         assert!(l.claim(&[0i64], k, T2).unwrap().preserve_slots.is_empty());
-        assert_eq!(l.release(plan.read).unwrap_err(), Error::UnknownRead { read: plan.read });
+        assert_eq!(
+            l.release(plan.read).unwrap_err(),
+            Error::UnknownRead { read: plan.read }
+        );
     }
 
     #[test]
@@ -499,17 +561,35 @@ mod tests {
         let before = l.peek(&[1i64, 2, 63], k).unwrap();
         assert_eq!(
             l.claim(&[1i64, -3], k, T1).unwrap_err(),
-            Error::SlotOutOfRange { slot: -3, position: 1, num_slots: 64 }
+            Error::SlotOutOfRange {
+                slot: -3,
+                position: 1,
+                num_slots: 64
+            }
         );
         assert_eq!(
             l.claim(&[1i64, 64], k, T1).unwrap_err(),
-            Error::SlotOutOfRange { slot: 64, position: 1, num_slots: 64 }
+            Error::SlotOutOfRange {
+                slot: 64,
+                position: 1,
+                num_slots: 64
+            }
         );
         assert_eq!(
             l.claim(&[1i64, 2, 1], k, T1).unwrap_err(),
-            Error::DuplicateSlot { slot: 1, first: 0, second: 2 }
+            Error::DuplicateSlot {
+                slot: 1,
+                first: 0,
+                second: 2
+            }
         );
-        assert_eq!(l.claim(&[1i64], KeyId(5), T1).unwrap_err(), Error::UnknownKey { key: KeyId(5), num_keys: 1 });
+        assert_eq!(
+            l.claim(&[1i64], KeyId(5), T1).unwrap_err(),
+            Error::UnknownKey {
+                key: KeyId(5),
+                num_keys: 1
+            }
+        );
         assert_eq!(l.commit(T1).unwrap_err(), Error::UnknownTask { task: T1 });
         assert_eq!(l.peek(&[1i64, 2, 63], k).unwrap(), before);
         assert_eq!(l.num_tasks(), 0);

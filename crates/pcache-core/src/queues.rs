@@ -87,7 +87,12 @@ impl std::fmt::Debug for CopyQueues {
 impl CopyQueues {
     /// Empty queues.
     pub fn new() -> Self {
-        Self { escalated: Lane::new(), high: Lane::new(), low: Lane::new(), completions: Lane::new() }
+        Self {
+            escalated: Lane::new(),
+            high: Lane::new(),
+            low: Lane::new(),
+            completions: Lane::new(),
+        }
     }
 
     /// Queues a PENDING task (PENDING → QUEUED). A task escalated while PENDING enters the
@@ -171,7 +176,12 @@ mod tests {
     #[test]
     fn high_before_low_fifo_within_a_lane() {
         let q = CopyQueues::new();
-        for (id, p) in [(1, Priority::Low), (2, Priority::High), (3, Priority::Low), (4, Priority::High)] {
+        for (id, p) in [
+            (1, Priority::Low),
+            (2, Priority::High),
+            (3, Priority::Low),
+            (4, Priority::High),
+        ] {
             q.push(task(id), p).unwrap();
         }
         assert_eq!(drain(&q), vec![2, 4, 1, 3]);
@@ -188,7 +198,11 @@ mod tests {
         assert_eq!(q.escalate(&tasks[2]), Escalation::Unchanged);
         assert_eq!(q.escalate(&tasks[3]), Escalation::Flagged);
         q.push(tasks[3].clone(), Priority::Low).unwrap();
-        assert_eq!(drain(&q), vec![2, 3, 0, 1], "each task exactly once, escalated first");
+        assert_eq!(
+            drain(&q),
+            vec![2, 3, 0, 1],
+            "each task exactly once, escalated first"
+        );
         assert!(q.pop().is_none());
         assert_eq!(q.num_entries(), 0, "the stale entry of task 2 was dropped");
     }
@@ -232,7 +246,11 @@ mod tests {
             s.spawn(move || {
                 for i in 0..n {
                     let t = task(i);
-                    let p = if i % 3 == 0 { Priority::High } else { Priority::Low };
+                    let p = if i % 3 == 0 {
+                        Priority::High
+                    } else {
+                        Priority::Low
+                    };
                     qp.push(t.clone(), p).unwrap();
                     if i % 7 == 0 {
                         qp.escalate(&t);

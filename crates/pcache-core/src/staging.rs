@@ -53,10 +53,16 @@ impl StagingSlots {
     /// `num_slots` free slots; zero is refused.
     pub fn new(num_slots: usize) -> Result<Self> {
         if num_slots == 0 {
-            return Err(Error::InvalidConfig { what: "staging needs at least one slot".into() });
+            return Err(Error::InvalidConfig {
+                what: "staging needs at least one slot".into(),
+            });
         }
         Ok(Self {
-            inner: Mutex::new(Inner { holders: vec![Vec::new(); num_slots], next: 0, closed: false }),
+            inner: Mutex::new(Inner {
+                holders: vec![Vec::new(); num_slots],
+                next: 0,
+                closed: false,
+            }),
             freed: Condvar::new(),
         })
     }
@@ -75,7 +81,10 @@ impl StagingSlots {
                 return Err(Error::StagingClosed);
             }
             let n = g.holders.len();
-            if let Some(slot) = (0..n).map(|i| (g.next + i) % n).find(|&s| g.holders[s].is_empty()) {
+            if let Some(slot) = (0..n)
+                .map(|i| (g.next + i) % n)
+                .find(|&s| g.holders[s].is_empty())
+            {
                 g.holders[slot].push(holder);
                 g.next = (slot + 1) % n;
                 return Ok(slot);
@@ -87,7 +96,10 @@ impl StagingSlots {
                 if g.closed {
                     return Err(Error::StagingClosed);
                 }
-                return Err(Error::StagingTimeout { timeout, holders: g.holders.clone() });
+                return Err(Error::StagingTimeout {
+                    timeout,
+                    holders: g.holders.clone(),
+                });
             }
         }
     }
@@ -96,7 +108,10 @@ impl StagingSlots {
         if slot < g.holders.len() {
             Ok(())
         } else {
-            Err(Error::StagingSlotOutOfRange { slot, num_slots: g.holders.len() })
+            Err(Error::StagingSlotOutOfRange {
+                slot,
+                num_slots: g.holders.len(),
+            })
         }
     }
 
@@ -118,7 +133,11 @@ impl StagingSlots {
         Self::check_slot(&g, slot)?;
         let hs = &mut g.holders[slot];
         let Some(i) = hs.iter().position(|h| *h == holder) else {
-            return Err(Error::NotAHolder { slot, holder, holders: hs.clone() });
+            return Err(Error::NotAHolder {
+                slot,
+                holder,
+                holders: hs.clone(),
+            });
         };
         hs.swap_remove(i);
         let freed = hs.is_empty();
@@ -136,7 +155,12 @@ impl StagingSlots {
 
     /// Slots with no holder.
     pub fn num_free(&self) -> usize {
-        self.inner.lock().holders.iter().filter(|h| h.is_empty()).count()
+        self.inner
+            .lock()
+            .holders
+            .iter()
+            .filter(|h| h.is_empty())
+            .count()
     }
 
     /// Refuses every later claim and wakes every waiter with [`Error::StagingClosed`].
@@ -167,11 +191,19 @@ mod tests {
         assert_eq!(st.claim(S0, Duration::ZERO).unwrap(), 0);
         st.hold(0, T9).unwrap();
         assert_eq!(st.claim(S1, Duration::ZERO).unwrap(), 1);
-        let err = st.claim(Holder::Step(StepId(2)), Duration::ZERO).unwrap_err();
-        assert!(err.to_string().contains("0: [step#0, task#9], 1: [step#1]"), "{err}");
+        let err = st
+            .claim(Holder::Step(StepId(2)), Duration::ZERO)
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("0: [step#0, task#9], 1: [step#1]"),
+            "{err}"
+        );
         assert!(!st.release(0, S0).unwrap(), "task#9 still holds slot 0");
         assert!(st.release(0, T9).unwrap());
-        assert_eq!(st.claim(Holder::Step(StepId(2)), Duration::ZERO).unwrap(), 0);
+        assert_eq!(
+            st.claim(Holder::Step(StepId(2)), Duration::ZERO).unwrap(),
+            0
+        );
     }
 
     #[test]
@@ -179,7 +211,10 @@ mod tests {
         let st = StagingSlots::new(1).unwrap();
         st.claim(S0, Duration::ZERO).unwrap();
         assert!(matches!(st.release(0, S1), Err(Error::NotAHolder { .. })));
-        assert!(matches!(st.release(3, S0), Err(Error::StagingSlotOutOfRange { .. })));
+        assert!(matches!(
+            st.release(3, S0),
+            Err(Error::StagingSlotOutOfRange { .. })
+        ));
         assert_eq!(st.holders(), vec![vec![S0]]);
     }
 
@@ -199,7 +234,9 @@ mod tests {
         let st = Arc::new(StagingSlots::new(1).unwrap());
         st.claim(S0, Duration::ZERO).unwrap();
         let err = st.claim(S1, Duration::from_millis(10)).unwrap_err();
-        assert!(matches!(err, Error::StagingTimeout { ref holders, .. } if holders == &vec![vec![S0]]));
+        assert!(
+            matches!(err, Error::StagingTimeout { ref holders, .. } if holders == &vec![vec![S0]])
+        );
         let st2 = st.clone();
         let h = std::thread::spawn(move || st2.claim(S1, Duration::from_secs(60)));
         std::thread::sleep(Duration::from_millis(20));
@@ -210,6 +247,9 @@ mod tests {
 
     #[test]
     fn zero_slots_is_refused() {
-        assert!(matches!(StagingSlots::new(0), Err(Error::InvalidConfig { .. })));
+        assert!(matches!(
+            StagingSlots::new(0),
+            Err(Error::InvalidConfig { .. })
+        ));
     }
 }

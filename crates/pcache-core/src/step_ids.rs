@@ -57,7 +57,13 @@ impl StepIds {
 
     /// Issued and not yet consumed, oldest first.
     pub fn outstanding(&self) -> Vec<StepId> {
-        self.inner.lock().outstanding.iter().copied().map(StepId).collect()
+        self.inner
+            .lock()
+            .outstanding
+            .iter()
+            .copied()
+            .map(StepId)
+            .collect()
     }
 
     /// Number of outstanding ids.
@@ -79,9 +85,21 @@ mod tests {
         assert!(a < b && b < c);
         ids.consume(c).unwrap();
         ids.consume(a).unwrap();
-        assert_eq!(ids.consume(a).unwrap_err(), Error::StepAlreadyConsumed { step: a, outstanding: vec![b] });
+        assert_eq!(
+            ids.consume(a).unwrap_err(),
+            Error::StepAlreadyConsumed {
+                step: a,
+                outstanding: vec![b]
+            }
+        );
         let err = ids.consume(StepId(42)).unwrap_err();
-        assert_eq!(err, Error::UnknownStep { step: StepId(42), outstanding: vec![b] });
+        assert_eq!(
+            err,
+            Error::UnknownStep {
+                step: StepId(42),
+                outstanding: vec![b]
+            }
+        );
         assert!(err.to_string().contains("[step#1]"), "{err}");
         ids.consume(b).unwrap();
         assert_eq!(ids.num_outstanding(), 0);

@@ -138,7 +138,10 @@ impl fmt::Debug for TaskStateCell {
 impl TaskStateCell {
     /// A new task in PENDING, not escalated.
     pub fn new(task: TaskId) -> Self {
-        Self { task, word: AtomicU64::new(TaskState::Pending as u64) }
+        Self {
+            task,
+            word: AtomicU64::new(TaskState::Pending as u64),
+        }
     }
 
     /// The task this word belongs to.
@@ -182,7 +185,11 @@ impl TaskStateCell {
     }
 
     fn illegal(&self, from: TaskState, to: TaskState) -> Error {
-        Error::IllegalTransition { task: self.task, from, to }
+        Error::IllegalTransition {
+            task: self.task,
+            from,
+            to,
+        }
     }
 
     /// PENDING → QUEUED: the task was pushed to a copy queue.
@@ -275,8 +282,15 @@ mod tests {
                 to: TaskState::Copying
             }
         );
-        assert_eq!(err.to_string(), "task#7: illegal transition Pending -> Copying");
-        assert_eq!(c.load().state(), TaskState::Pending, "a refused move changes nothing");
+        assert_eq!(
+            err.to_string(),
+            "task#7: illegal transition Pending -> Copying"
+        );
+        assert_eq!(
+            c.load().state(),
+            TaskState::Pending,
+            "a refused move changes nothing"
+        );
     }
 
     #[test]
@@ -284,10 +298,18 @@ mod tests {
         let c = cell();
         c.fail().unwrap();
         for to in TaskState::ALL {
-            assert!(c.transition(to).is_err(), "FAILED -> {to:?} must be refused");
+            assert!(
+                c.transition(to).is_err(),
+                "FAILED -> {to:?} must be refused"
+            );
         }
         let w = cell();
-        for to in [TaskState::Queued, TaskState::Copying, TaskState::HostReady, TaskState::Written] {
+        for to in [
+            TaskState::Queued,
+            TaskState::Copying,
+            TaskState::HostReady,
+            TaskState::Written,
+        ] {
             w.transition(to).unwrap();
         }
         assert!(w.fail().is_err());
@@ -298,7 +320,8 @@ mod tests {
     fn fail_from_every_live_state() {
         for stop in 0..4 {
             let c = cell();
-            for to in &[TaskState::Queued, TaskState::Copying, TaskState::HostReady][..stop.min(3)] {
+            for to in &[TaskState::Queued, TaskState::Copying, TaskState::HostReady][..stop.min(3)]
+            {
                 c.transition(*to).unwrap();
             }
             assert_eq!(c.fail().unwrap().state(), TaskState::Failed);
@@ -336,7 +359,10 @@ mod tests {
         assert!(c.mark_escalated().is_some());
         assert!(c.mark_escalated().is_none(), "second escalation is a no-op");
         assert!(c.load().is_escalated());
-        assert_eq!(c.enqueue().unwrap().is_escalated(), true, "flag survives transitions");
+        assert!(
+            c.enqueue().unwrap().is_escalated(),
+            "flag survives transitions"
+        );
         let d = cell();
         d.enqueue().unwrap();
         d.start_copy().unwrap();

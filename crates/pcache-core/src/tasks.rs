@@ -22,7 +22,9 @@ pub struct Task {
 impl Task {
     /// A task in PENDING.
     pub fn new(id: TaskId) -> Self {
-        Self { state: TaskStateCell::new(id) }
+        Self {
+            state: TaskStateCell::new(id),
+        }
     }
 
     /// The task's id.
@@ -59,7 +61,11 @@ impl TaskTable {
 
     /// The live task with this id.
     pub fn get(&self, id: TaskId) -> Result<Arc<Task>> {
-        self.live.lock().get(&id).cloned().ok_or(Error::UnknownTask { task: id })
+        self.live
+            .lock()
+            .get(&id)
+            .cloned()
+            .ok_or(Error::UnknownTask { task: id })
     }
 
     /// Removes a task that reached WRITTEN or FAILED; a live (non-terminal) task is refused.
@@ -87,8 +93,12 @@ impl TaskTable {
 
     /// Every live task with its state, sorted by id: the diagnostic for "which task is stuck".
     pub fn states(&self) -> Vec<(TaskId, TaskState)> {
-        let mut out: Vec<_> =
-            self.live.lock().values().map(|t| (t.id(), t.state().load().state())).collect();
+        let mut out: Vec<_> = self
+            .live
+            .lock()
+            .values()
+            .map(|t| (t.id(), t.state().load().state()))
+            .collect();
         out.sort_unstable();
         out
     }
@@ -104,7 +114,10 @@ mod tests {
         let a = t.create();
         let b = t.create();
         assert!(a.id() < b.id());
-        assert_eq!(t.get(TaskId(99)).unwrap_err(), Error::UnknownTask { task: TaskId(99) });
+        assert_eq!(
+            t.get(TaskId(99)).unwrap_err(),
+            Error::UnknownTask { task: TaskId(99) }
+        );
         assert_eq!(t.get(a.id()).unwrap().id(), a.id());
     }
 

@@ -11,7 +11,9 @@
 use std::sync::Arc;
 
 use loom::thread;
-use pcache_core::{CopyQueues, Error, Escalation, Priority, Task, TaskId, TaskState};
+use pcache_core::{
+    CopyQueues, Error, Escalation, Priority, Snapshot, Task, TaskId, TaskState, TaskStateCell,
+};
 
 /// `loom::model` with a preemption bound (LOOM_MAX_PREEMPTIONS overrides it).
 fn model(f: impl Fn() + Sync + Send + 'static) {
@@ -21,6 +23,9 @@ fn model(f: impl Fn() + Sync + Send + 'static) {
     }
     builder.check(f);
 }
+
+/// One edge of the copier's pipeline.
+type Step = fn(&TaskStateCell) -> pcache_core::Result<Snapshot>;
 
 fn queued_task(id: u64) -> Arc<Task> {
     let t = Arc::new(Task::new(TaskId(id)));
@@ -48,7 +53,11 @@ fn racing_start_copy_exactly_one_wins() {
                 Ok(s) => assert_eq!(*s, TaskState::Copying),
                 Err(e) => assert_eq!(
                     *e,
-                    Error::IllegalTransition { task: TaskId(1), from: TaskState::Copying, to: TaskState::Copying }
+                    Error::IllegalTransition {
+                        task: TaskId(1),
+                        from: TaskState::Copying,
+                        to: TaskState::Copying
+                    }
                 ),
             }
         }
@@ -79,7 +88,11 @@ fn fail_races_start_copy() {
             Ok(s) => assert_eq!(s, TaskState::Copying),
             Err(e) => assert_eq!(
                 e,
-                Error::IllegalTransition { task: TaskId(2), from: TaskState::Failed, to: TaskState::Copying }
+                Error::IllegalTransition {
+                    task: TaskId(2),
+                    from: TaskState::Failed,
+                    to: TaskState::Copying
+                }
             ),
         }
         assert_eq!(t.state().load().state(), TaskState::Failed);
@@ -101,7 +114,7 @@ fn fail_races_the_whole_pipeline() {
             let t = t.clone();
             thread::spawn(move || {
                 let s = t.state();
-                let steps: [(TaskState, fn(&pcache_core::TaskStateCell) -> pcache_core::Result<_>); 3] = [
+                let steps: [(TaskState, Step); 3] = [
                     (TaskState::Copying, |c| c.start_copy()),
                     (TaskState::HostReady, |c| c.copy_done()),
                     (TaskState::Written, |c| c.written()),
@@ -110,7 +123,14 @@ fn fail_races_the_whole_pipeline() {
                     match step(s) {
                         Ok(snap) => assert_eq!(snap.state(), to),
                         Err(e) => {
-                            assert_eq!(e, Error::IllegalTransition { task: TaskId(3), from: TaskState::Failed, to });
+                            assert_eq!(
+                                e,
+                                Error::IllegalTransition {
+                                    task: TaskId(3),
+                                    from: TaskState::Failed,
+                                    to
+                                }
+                            );
                             return i;
                         }
                     }
@@ -124,7 +144,11 @@ fn fail_races_the_whole_pipeline() {
         if done == 3 {
             assert_eq!(
                 failed.unwrap_err(),
-                Error::IllegalTransition { task: TaskId(3), from: TaskState::Written, to: TaskState::Failed }
+                Error::IllegalTransition {
+                    task: TaskId(3),
+                    from: TaskState::Written,
+                    to: TaskState::Failed
+                }
             );
             assert_eq!(end, TaskState::Written);
         } else {
@@ -142,7 +166,11 @@ fn escalation_flag_races_start_copy() {
         let t = queued_task(4);
         let marker = {
             let t = t.clone();
-            thread::spawn(move || t.state().mark_escalated().map(|s| (s.state(), s.is_escalated())))
+            thread::spawn(move || {
+                t.state()
+                    .mark_escalated()
+                    .map(|s| (s.state(), s.is_escalated()))
+            })
         };
         let copier = {
             let t = t.clone();
@@ -180,7 +208,12 @@ fn escalate_races_pop_each_task_once() {
         };
         let popper = {
             let q = q.clone();
-            thread::spawn(move || (0..2).filter_map(|_| q.pop()).map(|t| t.id()).collect::<Vec<_>>())
+            thread::spawn(move || {
+                (0..2)
+                    .filter_map(|_| q.pop())
+                    .map(|t| t.id())
+                    .collect::<Vec<_>>()
+            })
         };
         let escalation = escalator.join().unwrap();
         let mut popped = popper.join().unwrap();
@@ -193,24 +226,23 @@ fn escalate_races_pop_each_task_once() {
 
         let mut sorted = popped.clone();
         sorted.sort();
-        assert_eq!(sorted, vec![TaskId(10), TaskId(11)], "each task exactly once: {popped:?}");
+        assert_eq!(
+            sorted,
+            vec![TaskId(10), TaskId(11)],
+            "each task exactly once: {popped:?}"
+        );
         assert_eq!(q.num_entries(), 0, "stale entries are dropped");
         assert!(q.pop().is_none());
         for t in [&low, &high] {
             assert_eq!(t.state().load().state(), TaskState::Copying);
         }
+        // `low` can only overtake `high` through the escalated lane.
+        if by_thread[0] == TaskId(10) {
+            assert_eq!(escalation, Escalation::MovedToFront);
+        }
         match escalation {
-            // The flag landed while QUEUED: the escalated entry comes before the high one,
-            // unless the popper had already taken `high`.
-            Escalation::MovedToFront => {
-                assert!(low.state().load().is_escalated());
-                if by_thread[0] == TaskId(11) {
-                    assert_eq!(by_thread[1], TaskId(10));
-                } else {
-                    assert_eq!(by_thread, vec![TaskId(10), TaskId(11)]);
-                }
-            }
-            // Refused only because the task was already COPYING: the popper took it.
+            Escalation::MovedToFront => assert!(low.state().load().is_escalated()),
+            // Refused only because the task was already COPYING: the popper took it, after `high`.
             Escalation::Unchanged => {
                 assert!(!low.state().load().is_escalated());
                 assert_eq!(by_thread, vec![TaskId(11), TaskId(10)]);
@@ -242,7 +274,10 @@ fn two_poppers_and_an_escalator_never_share_a_task() {
             })
             .collect();
         escalator.join().unwrap();
-        let mut got: Vec<_> = poppers.into_iter().filter_map(|h| h.join().unwrap()).collect();
+        let mut got: Vec<_> = poppers
+            .into_iter()
+            .filter_map(|h| h.join().unwrap())
+            .collect();
         got.extend(std::iter::from_fn(|| q.pop()).map(|t| t.id()));
         assert_eq!(got, vec![TaskId(20)]);
         assert_eq!(q.num_entries(), 0);

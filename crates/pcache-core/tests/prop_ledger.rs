@@ -25,13 +25,28 @@ const NUM_TASKS: u64 = 4;
 
 #[derive(Clone, Debug)]
 enum Op {
-    Claim { slots: Vec<i64>, key: u32, task: u64 },
-    Commit { task: u64 },
-    Abandon { task: u64 },
-    PlanRead { slots: Vec<i64>, key: u32 },
+    Claim {
+        slots: Vec<i64>,
+        key: u32,
+        task: u64,
+    },
+    Commit {
+        task: u64,
+    },
+    Abandon {
+        task: u64,
+    },
+    PlanRead {
+        slots: Vec<i64>,
+        key: u32,
+    },
     /// `pick` is resolved against the reads issued so far (see [`Model::pick_read`]).
-    Validate { pick: usize },
-    Release { pick: usize },
+    Validate {
+        pick: usize,
+    },
+    Release {
+        pick: usize,
+    },
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -110,14 +125,21 @@ impl Model {
         if key < NUM_KEYS {
             Ok(())
         } else {
-            Err(Error::UnknownKey { key: KeyId(key), num_keys: NUM_KEYS })
+            Err(Error::UnknownKey {
+                key: KeyId(key),
+                num_keys: NUM_KEYS,
+            })
         }
     }
 
     fn check_range(slots: &[i64]) -> Result<Vec<usize>> {
         for (position, &slot) in slots.iter().enumerate() {
             if !(0..NUM_SLOTS as i64).contains(&slot) {
-                return Err(Error::SlotOutOfRange { slot, position, num_slots: NUM_SLOTS });
+                return Err(Error::SlotOutOfRange {
+                    slot,
+                    position,
+                    num_slots: NUM_SLOTS,
+                });
             }
         }
         Ok(slots.iter().map(|&s| s as usize).collect())
@@ -129,7 +151,11 @@ impl Model {
         let mut first_seen: HashMap<usize, usize> = HashMap::new();
         for (position, &slot) in slots.iter().enumerate() {
             if let Some(&first) = first_seen.get(&slot) {
-                return Err(Error::DuplicateSlot { slot: slot as u32, first, second: position });
+                return Err(Error::DuplicateSlot {
+                    slot: slot as u32,
+                    first,
+                    second: position,
+                });
             }
             first_seen.insert(slot, position);
         }
@@ -146,7 +172,10 @@ impl Model {
                 _ => {}
             }
             let version = before.version + 1;
-            *self.cell_mut(key, slot) = Cell { owner: Owner::Task(task), version };
+            *self.cell_mut(key, slot) = Cell {
+                owner: Owner::Task(task),
+                version,
+            };
             rows.push(ClaimedRow { key, slot, version });
         }
         self.tasks.entry(task).or_default().extend(rows);
@@ -160,7 +189,10 @@ impl Model {
 
     fn owned(&self, task: u64, key: u32) -> Result<(Vec<i64>, Vec<i64>)> {
         self.check_key(key)?;
-        let rows = self.tasks.get(&task).ok_or(Error::UnknownTask { task: TaskId(task) })?;
+        let rows = self
+            .tasks
+            .get(&task)
+            .ok_or(Error::UnknownTask { task: TaskId(task) })?;
         let (mut positions, mut slots) = (Vec::new(), Vec::new());
         for (i, row) in rows.iter().filter(|r| r.key == key).enumerate() {
             if self.still_owns(task, row) {
@@ -172,7 +204,10 @@ impl Model {
     }
 
     fn settle(&mut self, task: u64, to: Owner) -> Result<usize> {
-        let rows = self.tasks.remove(&task).ok_or(Error::UnknownTask { task: TaskId(task) })?;
+        let rows = self
+            .tasks
+            .remove(&task)
+            .ok_or(Error::UnknownTask { task: TaskId(task) })?;
         let mut n = 0;
         for row in &rows {
             if self.still_owns(task, row) {
@@ -234,7 +269,10 @@ impl Model {
     }
 
     fn release(&mut self, read: ReadId) -> Result<()> {
-        self.reads.remove(&read.0).map(drop).ok_or(Error::UnknownRead { read })
+        self.reads
+            .remove(&read.0)
+            .map(drop)
+            .ok_or(Error::UnknownRead { read })
     }
 }
 
@@ -289,9 +327,15 @@ fn apply(ledger: &mut Ledger, model: &mut Model, op: &Op, stats: &mut Stats) {
             let commit = matches!(op, Op::Commit { .. });
             let claimed = model.tasks.get(task).map(Vec::len);
             let (got, want) = if commit {
-                (ledger.commit(TaskId(*task)), model.settle(*task, Owner::Pool))
+                (
+                    ledger.commit(TaskId(*task)),
+                    model.settle(*task, Owner::Pool),
+                )
             } else {
-                (ledger.abandon(TaskId(*task)), model.settle(*task, Owner::Absent))
+                (
+                    ledger.abandon(TaskId(*task)),
+                    model.settle(*task, Owner::Absent),
+                )
             };
             assert_eq!(got, want, "{op:?}");
             match (&got, claimed) {
@@ -333,7 +377,11 @@ fn check_state(ledger: &Ledger, model: &Model, stats: &mut Stats) {
     let all: Vec<i64> = (0..NUM_SLOTS as i64).collect();
     for key in 0..NUM_KEYS {
         let (sources, versions) = ledger.peek(&all, KeyId(key)).unwrap();
-        assert_eq!((&sources, &versions), (&model.peek(key).0, &model.peek(key).1), "peek key#{key}");
+        assert_eq!(
+            (sources.clone(), versions),
+            model.peek(key),
+            "peek key#{key}"
+        );
         for (&code, s) in sources.iter().zip(0..) {
             // The documented decoding agrees with the encoding.
             let want = match model.cell(key, s).owner {
@@ -343,10 +391,19 @@ fn check_state(ledger: &Ledger, model: &Model, stats: &mut Stats) {
             };
             assert_eq!(Source::decode(code), want);
         }
-        let readers: Vec<u32> = (0..NUM_SLOTS as usize).map(|s| model.readers(key, s)).collect();
-        assert_eq!(ledger.readers(&all, KeyId(key)).unwrap(), readers, "readers key#{key}");
+        let readers: Vec<u32> = (0..NUM_SLOTS as usize)
+            .map(|s| model.readers(key, s))
+            .collect();
+        assert_eq!(
+            ledger.readers(&all, KeyId(key)).unwrap(),
+            readers,
+            "readers key#{key}"
+        );
     }
-    let unknown = Error::UnknownKey { key: KeyId(NUM_KEYS), num_keys: NUM_KEYS };
+    let unknown = Error::UnknownKey {
+        key: KeyId(NUM_KEYS),
+        num_keys: NUM_KEYS,
+    };
     assert_eq!(ledger.peek(&all, KeyId(NUM_KEYS)).unwrap_err(), unknown);
     assert_eq!(ledger.readers(&all, KeyId(NUM_KEYS)).unwrap_err(), unknown);
     for task in 0..=NUM_TASKS {
@@ -360,17 +417,28 @@ fn check_state(ledger: &Ledger, model: &Model, stats: &mut Stats) {
     }
     for &read in model.reads.keys() {
         let moved = ledger.validate(ReadId(read)).unwrap();
-        assert_eq!(moved, model.validate(ReadId(read)).unwrap(), "validate(read#{read})");
+        assert_eq!(
+            moved,
+            model.validate(ReadId(read)).unwrap(),
+            "validate(read#{read})"
+        );
         if !moved.is_empty() {
             stats.moved_reads += 1;
             let r = &model.reads[&read];
-            if moved.iter().any(|&i| model.cell(r.key, r.slots[i as usize]).version == r.versions[i as usize]) {
+            if moved
+                .iter()
+                .any(|&i| model.cell(r.key, r.slots[i as usize]).version == r.versions[i as usize])
+            {
                 stats.vanished_only += 1;
             }
         }
     }
     assert_eq!(ledger.num_tasks(), model.tasks.len(), "num_tasks");
-    assert_eq!(ledger.num_pending_reads(), model.reads.len(), "num_pending_reads");
+    assert_eq!(
+        ledger.num_pending_reads(),
+        model.reads.len(),
+        "num_pending_reads"
+    );
 }
 
 fn run(ops: &[Op]) -> Stats {
@@ -399,7 +467,10 @@ fn key() -> impl Strategy<Value = u32> {
 /// Mostly unique in-range slots in random order; sometimes a duplicate, sometimes anything
 /// (out of range, negative, duplicates mixed).
 fn claim_slots() -> impl Strategy<Value = Vec<i64>> {
-    let unique = || proptest::sample::subsequence((0..NUM_SLOTS as i64).collect::<Vec<_>>(), 0..=6).prop_shuffle();
+    let unique = || {
+        proptest::sample::subsequence((0..NUM_SLOTS as i64).collect::<Vec<_>>(), 0..=6)
+            .prop_shuffle()
+    };
     prop_oneof![
         16 => unique(),
         2 => (unique(), any::<prop::sample::Index>(), any::<prop::sample::Index>()).prop_filter_map(
@@ -455,8 +526,14 @@ proptest! {
 #[test]
 fn generator_reaches_every_outcome() {
     let mut runner = TestRunner::new_with_rng(
-        Config { cases: 256, failure_persistence: None, ..Config::default() },
-        proptest::test_runner::TestRng::deterministic_rng(proptest::test_runner::RngAlgorithm::ChaCha),
+        Config {
+            cases: 256,
+            failure_persistence: None,
+            ..Config::default()
+        },
+        proptest::test_runner::TestRng::deterministic_rng(
+            proptest::test_runner::RngAlgorithm::ChaCha,
+        ),
     );
     let total = std::cell::RefCell::new(Stats::default());
     runner
@@ -505,20 +582,44 @@ fn scripted_scenario_matches_hand_computed_results() {
     let mut model = Model::default();
     let mut stats = Stats::default();
     let ops = [
-        Op::Claim { slots: vec![1, 2, 3], key: 0, task: 0 },
+        Op::Claim {
+            slots: vec![1, 2, 3],
+            key: 0,
+            task: 0,
+        },
         Op::Commit { task: 0 },
-        Op::PlanRead { slots: vec![2, 2, 3], key: 0 },
-        Op::Claim { slots: vec![3, 2, 9], key: 0, task: 1 },
-        Op::Claim { slots: vec![9], key: 0, task: 2 },
+        Op::PlanRead {
+            slots: vec![2, 2, 3],
+            key: 0,
+        },
+        Op::Claim {
+            slots: vec![3, 2, 9],
+            key: 0,
+            task: 1,
+        },
+        Op::Claim {
+            slots: vec![9],
+            key: 0,
+            task: 2,
+        },
     ];
     for op in &ops {
         apply(&mut ledger, &mut model, op, &mut stats);
     }
-    assert_eq!(stats.preserved, 2, "slots 3 and 2 were captured by the read");
+    assert_eq!(
+        stats.preserved, 2,
+        "slots 3 and 2 were captured by the read"
+    );
     assert_eq!(stats.stolen, 1, "slot 9 was taken from task 1");
     assert_eq!(ledger.validate(ReadId(0)).unwrap(), vec![0, 1, 2]);
-    assert_eq!(ledger.owned(TaskId(1), k).unwrap(), (vec![0, 1], vec![3, 2]));
+    assert_eq!(
+        ledger.owned(TaskId(1), k).unwrap(),
+        (vec![0, 1], vec![3, 2])
+    );
     assert_eq!(ledger.commit(TaskId(1)).unwrap(), 2);
     assert_eq!(ledger.abandon(TaskId(2)).unwrap(), 1);
-    assert_eq!(ledger.peek(&[2i64, 9], k).unwrap(), (vec![SOURCE_POOL, SOURCE_ABSENT], vec![2, 2]));
+    assert_eq!(
+        ledger.peek(&[2i64, 9], k).unwrap(),
+        (vec![SOURCE_POOL, SOURCE_ABSENT], vec![2, 2])
+    );
 }

@@ -4,7 +4,9 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use pcache_core::{CopyQueues, Error, Escalation, Priority, Task, TaskId, TaskState, TaskStateCell};
+use pcache_core::{
+    CopyQueues, Error, Escalation, Priority, Task, TaskId, TaskState, TaskStateCell,
+};
 use proptest::prelude::*;
 
 const ID: TaskId = TaskId(42);
@@ -55,7 +57,11 @@ impl CellModel {
             self.state = to;
             Ok((self.state, self.escalated))
         } else {
-            Err(Error::IllegalTransition { task: ID, from: self.state, to })
+            Err(Error::IllegalTransition {
+                task: ID,
+                from: self.state,
+                to,
+            })
         }
     }
 
@@ -64,15 +70,21 @@ impl CellModel {
             self.state = to;
             Ok((self.state, self.escalated))
         } else {
-            Err(Error::IllegalTransition { task: ID, from: self.state, to })
+            Err(Error::IllegalTransition {
+                task: ID,
+                from: self.state,
+                to,
+            })
         }
     }
 
     fn fail(&mut self) -> Outcome {
         match self.state {
-            TaskState::Written | TaskState::Failed => {
-                Err(Error::IllegalTransition { task: ID, from: self.state, to: TaskState::Failed })
-            }
+            TaskState::Written | TaskState::Failed => Err(Error::IllegalTransition {
+                task: ID,
+                from: self.state,
+                to: TaskState::Failed,
+            }),
             _ => {
                 self.state = TaskState::Failed;
                 Ok((self.state, self.escalated))
@@ -150,7 +162,12 @@ proptest! {
 /// Every (from, to) pair reached through `transition` from a fresh cell: the edge table.
 #[test]
 fn transition_from_every_state_to_every_state() {
-    let path = [TaskState::Queued, TaskState::Copying, TaskState::HostReady, TaskState::Written];
+    let path = [
+        TaskState::Queued,
+        TaskState::Copying,
+        TaskState::HostReady,
+        TaskState::Written,
+    ];
     for from in TaskState::ALL {
         for to in TaskState::ALL {
             let cell = TaskStateCell::new(ID);
@@ -166,7 +183,10 @@ fn transition_from_every_state_to_every_state() {
             if is_edge(from, to) {
                 assert_eq!(got.unwrap().state(), to);
             } else {
-                assert_eq!(got.unwrap_err(), Error::IllegalTransition { task: ID, from, to });
+                assert_eq!(
+                    got.unwrap_err(),
+                    Error::IllegalTransition { task: ID, from, to }
+                );
                 assert_eq!(cell.load().state(), from, "a refused move changes nothing");
             }
         }
@@ -202,7 +222,13 @@ struct QueueModel {
 impl QueueModel {
     fn new() -> Self {
         Self {
-            cells: vec![CellModel { state: TaskState::Pending, escalated: false }; NUM_QTASKS],
+            cells: vec![
+                CellModel {
+                    state: TaskState::Pending,
+                    escalated: false
+                };
+                NUM_QTASKS
+            ],
             ..Self::default()
         }
     }
@@ -215,7 +241,11 @@ impl QueueModel {
     fn push(&mut self, t: usize, priority: Priority) -> Result<(), Error> {
         let c = &mut self.cells[t];
         if c.state != TaskState::Pending {
-            return Err(Error::IllegalTransition { task: TaskId(t as u64), from: c.state, to: TaskState::Queued });
+            return Err(Error::IllegalTransition {
+                task: TaskId(t as u64),
+                from: c.state,
+                to: TaskState::Queued,
+            });
         }
         c.state = TaskState::Queued;
         let lane = if c.escalated {
@@ -265,7 +295,10 @@ impl QueueModel {
 
     fn finish(&mut self, t: usize) -> bool {
         let c = &mut self.cells[t];
-        c.state == TaskState::Copying && c.transition(TaskState::HostReady).and_then(|_| c.transition(TaskState::Written)).is_ok()
+        c.state == TaskState::Copying
+            && c.transition(TaskState::HostReady)
+                .and_then(|_| c.transition(TaskState::Written))
+                .is_ok()
     }
 }
 

@@ -36,7 +36,9 @@ impl<'py> Indices<'py> {
         // An empty Python list becomes float64 in numpy; treat it as an empty index array.
         let size: usize = array.getattr("size")?.extract()?;
         if ndim != 1 {
-            return Err(invalid_input(format!("{what} must be a 1-D integer array, got {ndim} dimensions")));
+            return Err(invalid_input(format!(
+                "{what} must be a 1-D integer array, got {ndim} dimensions"
+            )));
         }
         if let Ok(a) = array.extract::<PyReadonlyArray1<'py, i64>>() {
             return Ok(Self::contiguous_or_copy(a, |a| Indices::I64(a)));
@@ -48,7 +50,9 @@ impl<'py> Indices<'py> {
             return Ok(Indices::Owned(Vec::new()));
         }
         let dtype = array.getattr("dtype")?.str()?.to_string();
-        Err(invalid_input(format!("{what} must be an int64 or int32 array, got dtype {dtype}")))
+        Err(invalid_input(format!(
+            "{what} must be an int64 or int32 array, got dtype {dtype}"
+        )))
     }
 
     fn contiguous_or_copy<T: numpy::Element + Copy + Into<i64>>(

@@ -56,22 +56,47 @@ pub fn to_pyerr(err: Error) -> PyErr {
                 message,
                 vec![
                     ("task_id", int(task.0)),
-                    ("from_state", from.name().into_pyobject(py).expect("str").into_any().unbind()),
-                    ("to_state", to.name().into_pyobject(py).expect("str").into_any().unbind()),
+                    (
+                        "from_state",
+                        from.name()
+                            .into_pyobject(py)
+                            .expect("str")
+                            .into_any()
+                            .unbind(),
+                    ),
+                    (
+                        "to_state",
+                        to.name()
+                            .into_pyobject(py)
+                            .expect("str")
+                            .into_any()
+                            .unbind(),
+                    ),
                 ],
             ),
             Error::UnknownTask { task } | Error::DuplicateTask { task } => {
                 raise("InvalidInputError", message, vec![("task_id", int(task.0))])
             }
-            Error::StepAlreadyConsumed { step, outstanding } | Error::UnknownStep { step, outstanding } => {
+            Error::StepAlreadyConsumed { step, outstanding }
+            | Error::UnknownStep { step, outstanding } => {
                 let ids: Vec<u64> = outstanding.iter().map(|s| s.0).collect();
                 let list = PyList::new(py, ids).expect("list").into_any().unbind();
-                raise("StepIdError", message, vec![("step_id", int(step.0)), ("outstanding", list)])
+                raise(
+                    "StepIdError",
+                    message,
+                    vec![("step_id", int(step.0)), ("outstanding", list)],
+                )
             }
             Error::StagingTimeout { holders, .. } => {
-                let per_slot: Vec<Vec<(&str, u64)>> =
-                    holders.iter().map(|hs| hs.iter().map(holder_tuple).collect()).collect();
-                let list = per_slot.into_pyobject(py).expect("list").into_any().unbind();
+                let per_slot: Vec<Vec<(&str, u64)>> = holders
+                    .iter()
+                    .map(|hs| hs.iter().map(holder_tuple).collect())
+                    .collect();
+                let list = per_slot
+                    .into_pyobject(py)
+                    .expect("list")
+                    .into_any()
+                    .unbind();
                 raise("StagingTimeoutError", message, vec![("holders", list)])
             }
             Error::StagingClosed => raise("CacheClosedError", message, vec![]),

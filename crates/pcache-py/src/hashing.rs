@@ -20,16 +20,24 @@ pub fn block_hashes<'py>(
     extra_keys: Option<Vec<Option<Vec<u8>>>>,
 ) -> PyResult<Bound<'py, PyArray2<u64>>> {
     let idx = Indices::extract(token_ids, "token_ids")?;
-        let view = idx.slice();
+    let view = idx.slice();
     let mut hasher = BlockHasher::new(block_size).py_err()?;
-    let extra: Option<Vec<Option<&[u8]>>> =
-        extra_keys.as_ref().map(|e| e.iter().map(|k| k.as_deref()).collect());
+    let extra: Option<Vec<Option<&[u8]>>> = extra_keys
+        .as_ref()
+        .map(|e| e.iter().map(|k| k.as_deref()).collect());
     let hashes = py
         .detach(|| {
-            with_slice!(view, |s| hasher.hash_blocks(s, parent.map(BlockHash), extra.as_deref()))
+            with_slice!(view, |s| hasher.hash_blocks(
+                s,
+                parent.map(BlockHash),
+                extra.as_deref()
+            ))
         })
         .py_err()?;
-    let flat: Vec<u64> = hashes.iter().flat_map(|h| [h.0 as u64, (h.0 >> 64) as u64]).collect();
+    let flat: Vec<u64> = hashes
+        .iter()
+        .flat_map(|h| [h.0 as u64, (h.0 >> 64) as u64])
+        .collect();
     numpy::IntoPyArray::into_pyarray(flat, py)
         .reshape([hashes.len(), 2])
         .map_err(|e| invalid_input(format!("internal reshape failed: {e}")))

@@ -41,7 +41,9 @@ impl Ledger {
     /// A ledger of `num_slots` slots (`num_blocks * block_size`); zero raises `ConfigError`.
     #[new]
     fn new(num_slots: u32) -> PyResult<Self> {
-        Ok(Self { inner: Mutex::new(pcache_core::Ledger::new(num_slots).py_err()?) })
+        Ok(Self {
+            inner: Mutex::new(pcache_core::Ledger::new(num_slots).py_err()?),
+        })
     }
 
     /// Registers a key and returns its id (0, 1, ...).
@@ -50,11 +52,23 @@ impl Ledger {
     }
 
     /// Claims `slots` of key `key_id` for task `task_id` (appended to its row order).
-    fn claim(&self, py: Python<'_>, slots: &Bound<'_, PyAny>, key_id: u32, task_id: u64) -> PyResult<ClaimOutcome> {
+    fn claim(
+        &self,
+        py: Python<'_>,
+        slots: &Bound<'_, PyAny>,
+        key_id: u32,
+        task_id: u64,
+    ) -> PyResult<ClaimOutcome> {
         let idx = Indices::extract(slots, "slots")?;
         let view = idx.slice();
         let out = py
-            .detach(|| with_slice!(view, |s| self.inner.lock().claim(s, KeyId(key_id), TaskId(task_id))))
+            .detach(|| {
+                with_slice!(view, |s| self.inner.lock().claim(
+                    s,
+                    KeyId(key_id),
+                    TaskId(task_id)
+                ))
+            })
             .py_err()?;
         Ok(ClaimOutcome {
             stolen_slots: int_array(py, out.stolen_slots),
@@ -65,35 +79,57 @@ impl Ledger {
 
     /// `(positions, slots)` the task still owns on `key_id`: gather rows at `positions`,
     /// scatter them to `slots`.
-    fn owned(&self, py: Python<'_>, task_id: u64, key_id: u32) -> PyResult<(Py<PyArray1<i64>>, Py<PyArray1<i64>>)> {
-        let (positions, slots) = py.detach(|| self.inner.lock().owned(TaskId(task_id), KeyId(key_id))).py_err()?;
+    fn owned(
+        &self,
+        py: Python<'_>,
+        task_id: u64,
+        key_id: u32,
+    ) -> PyResult<(Py<PyArray1<i64>>, Py<PyArray1<i64>>)> {
+        let (positions, slots) = py
+            .detach(|| self.inner.lock().owned(TaskId(task_id), KeyId(key_id)))
+            .py_err()?;
         Ok((int_array(py, positions), int_array(py, slots)))
     }
 
     /// The task's rows landed: slots it still owns become committed. Returns how many.
     fn commit(&self, py: Python<'_>, task_id: u64) -> PyResult<usize> {
-        py.detach(|| self.inner.lock().commit(TaskId(task_id))).py_err()
+        py.detach(|| self.inner.lock().commit(TaskId(task_id)))
+            .py_err()
     }
 
     /// The task failed: slots it still owns become absent. Returns how many.
     fn abandon(&self, py: Python<'_>, task_id: u64) -> PyResult<usize> {
-        py.detach(|| self.inner.lock().abandon(TaskId(task_id))).py_err()
+        py.detach(|| self.inner.lock().abandon(TaskId(task_id)))
+            .py_err()
     }
 
     /// `(sources, versions)` of `slots` now, without registering a read.
-    fn peek(&self, py: Python<'_>, slots: &Bound<'_, PyAny>, key_id: u32) -> PyResult<(Py<PyArray1<i64>>, Py<PyArray1<u64>>)> {
+    fn peek(
+        &self,
+        py: Python<'_>,
+        slots: &Bound<'_, PyAny>,
+        key_id: u32,
+    ) -> PyResult<(Py<PyArray1<i64>>, Py<PyArray1<u64>>)> {
         let idx = Indices::extract(slots, "slots")?;
         let view = idx.slice();
-        let (sources, versions) =
-            py.detach(|| with_slice!(view, |s| self.inner.lock().peek(s, KeyId(key_id)))).py_err()?;
+        let (sources, versions) = py
+            .detach(|| with_slice!(view, |s| self.inner.lock().peek(s, KeyId(key_id))))
+            .py_err()?;
         Ok((int_array(py, sources), uint_array(py, versions)))
     }
 
     /// Plans a read: sources and captured versions, registered until `release`.
-    fn plan_read(&self, py: Python<'_>, slots: &Bound<'_, PyAny>, key_id: u32) -> PyResult<ReadPlan> {
+    fn plan_read(
+        &self,
+        py: Python<'_>,
+        slots: &Bound<'_, PyAny>,
+        key_id: u32,
+    ) -> PyResult<ReadPlan> {
         let idx = Indices::extract(slots, "slots")?;
         let view = idx.slice();
-        let plan = py.detach(|| with_slice!(view, |s| self.inner.lock().plan_read(s, KeyId(key_id)))).py_err()?;
+        let plan = py
+            .detach(|| with_slice!(view, |s| self.inner.lock().plan_read(s, KeyId(key_id))))
+            .py_err()?;
         Ok(ReadPlan {
             read_id: plan.read.0,
             sources: int_array(py, plan.sources),
@@ -103,20 +139,30 @@ impl Ledger {
 
     /// Positions of the read whose rows moved since it was planned.
     fn validate(&self, py: Python<'_>, read_id: u64) -> PyResult<Py<PyArray1<i64>>> {
-        let moved = py.detach(|| self.inner.lock().validate(ReadId(read_id))).py_err()?;
+        let moved = py
+            .detach(|| self.inner.lock().validate(ReadId(read_id)))
+            .py_err()?;
         Ok(int_array(py, moved))
     }
 
     /// Releases a pending read.
     fn release(&self, py: Python<'_>, read_id: u64) -> PyResult<()> {
-        py.detach(|| self.inner.lock().release(ReadId(read_id))).py_err()
+        py.detach(|| self.inner.lock().release(ReadId(read_id)))
+            .py_err()
     }
 
     /// Pending reads holding each slot at its current version.
-    fn readers(&self, py: Python<'_>, slots: &Bound<'_, PyAny>, key_id: u32) -> PyResult<Py<PyArray1<i64>>> {
+    fn readers(
+        &self,
+        py: Python<'_>,
+        slots: &Bound<'_, PyAny>,
+        key_id: u32,
+    ) -> PyResult<Py<PyArray1<i64>>> {
         let idx = Indices::extract(slots, "slots")?;
         let view = idx.slice();
-        let counts = py.detach(|| with_slice!(view, |s| self.inner.lock().readers(s, KeyId(key_id)))).py_err()?;
+        let counts = py
+            .detach(|| with_slice!(view, |s| self.inner.lock().readers(s, KeyId(key_id))))
+            .py_err()?;
         Ok(int_array(py, counts.into_iter().map(i64::from).collect()))
     }
 

@@ -18,7 +18,9 @@ pub struct StepIds {
 impl StepIds {
     #[new]
     fn new() -> Self {
-        Self { inner: pcache_core::StepIds::new() }
+        Self {
+            inner: pcache_core::StepIds::new(),
+        }
     }
 
     /// Issues the next step id (increasing).
@@ -50,13 +52,18 @@ fn parse_holder(holder: (String, u64)) -> PyResult<Holder> {
     match holder.0.as_str() {
         "step" => Ok(Holder::Step(StepId(holder.1))),
         "task" => Ok(Holder::Task(TaskId(holder.1))),
-        other => Err(invalid_input(format!("holder kind must be 'step' or 'task', got {other:?}"))),
+        other => Err(invalid_input(format!(
+            "holder kind must be 'step' or 'task', got {other:?}"
+        ))),
     }
 }
 
 fn timeout(seconds: f64) -> PyResult<Duration> {
-    Duration::try_from_secs_f64(seconds)
-        .map_err(|_| invalid_input(format!("timeout_s must be a finite number >= 0, got {seconds}")))
+    Duration::try_from_secs_f64(seconds).map_err(|_| {
+        invalid_input(format!(
+            "timeout_s must be a finite number >= 0, got {seconds}"
+        ))
+    })
 }
 
 /// The staging-slot ring. Holders are `("step", step_id)` or `("task", task_id)` tuples.
@@ -71,7 +78,9 @@ impl StagingSlots {
     /// `num_slots` free slots; zero raises `ConfigError`.
     #[new]
     fn new(num_slots: usize) -> PyResult<Self> {
-        Ok(Self { inner: pcache_core::StagingSlots::new(num_slots).py_err()? })
+        Ok(Self {
+            inner: pcache_core::StagingSlots::new(num_slots).py_err()?,
+        })
     }
 
     /// Takes the next free slot for `holder`, waiting up to `timeout_s` (0 = fail at once);
@@ -95,7 +104,11 @@ impl StagingSlots {
 
     /// Holders of every slot.
     fn holders(&self) -> Vec<Vec<(&'static str, u64)>> {
-        self.inner.holders().iter().map(|hs| hs.iter().map(holder_tuple).collect()).collect()
+        self.inner
+            .holders()
+            .iter()
+            .map(|hs| hs.iter().map(holder_tuple).collect())
+            .collect()
     }
 
     /// Slots with no holder.

@@ -24,7 +24,10 @@ fn state_name(s: TaskState) -> &'static str {
 impl WriteTasks {
     #[new]
     fn new() -> Self {
-        Self { table: TaskTable::new(), queues: Box::new(CopyQueues::new()) }
+        Self {
+            table: TaskTable::new(),
+            queues: Box::new(CopyQueues::new()),
+        }
     }
 
     /// Issues a new task in PENDING and returns its id.
@@ -34,12 +37,25 @@ impl WriteTasks {
 
     /// The task's state name (`"PENDING"`, ..., `"FAILED"`).
     fn state(&self, task_id: u64) -> PyResult<&'static str> {
-        Ok(state_name(self.table.get(TaskId(task_id)).py_err()?.state().load().state()))
+        Ok(state_name(
+            self.table
+                .get(TaskId(task_id))
+                .py_err()?
+                .state()
+                .load()
+                .state(),
+        ))
     }
 
     /// Whether the task was escalated.
     fn is_escalated(&self, task_id: u64) -> PyResult<bool> {
-        Ok(self.table.get(TaskId(task_id)).py_err()?.state().load().is_escalated())
+        Ok(self
+            .table
+            .get(TaskId(task_id))
+            .py_err()?
+            .state()
+            .load()
+            .is_escalated())
     }
 
     /// PENDING → QUEUED, into the high or low lane (the escalated lane if escalated before).
@@ -71,22 +87,46 @@ impl WriteTasks {
     /// QUEUED → COPYING for one specific task (its queue entry goes stale). Of several
     /// racing callers exactly one succeeds; the others get `TaskStateError`.
     fn start_copy(&self, task_id: u64) -> PyResult<()> {
-        self.table.get(TaskId(task_id)).py_err()?.state().start_copy().map(drop).py_err()
+        self.table
+            .get(TaskId(task_id))
+            .py_err()?
+            .state()
+            .start_copy()
+            .map(drop)
+            .py_err()
     }
 
     /// COPYING → HOST_READY.
     fn copy_done(&self, task_id: u64) -> PyResult<()> {
-        self.table.get(TaskId(task_id)).py_err()?.state().copy_done().map(drop).py_err()
+        self.table
+            .get(TaskId(task_id))
+            .py_err()?
+            .state()
+            .copy_done()
+            .map(drop)
+            .py_err()
     }
 
     /// HOST_READY → WRITTEN.
     fn written(&self, task_id: u64) -> PyResult<()> {
-        self.table.get(TaskId(task_id)).py_err()?.state().written().map(drop).py_err()
+        self.table
+            .get(TaskId(task_id))
+            .py_err()?
+            .state()
+            .written()
+            .map(drop)
+            .py_err()
     }
 
     /// Any non-terminal state → FAILED.
     fn fail(&self, task_id: u64) -> PyResult<()> {
-        self.table.get(TaskId(task_id)).py_err()?.state().fail().map(drop).py_err()
+        self.table
+            .get(TaskId(task_id))
+            .py_err()?
+            .state()
+            .fail()
+            .map(drop)
+            .py_err()
     }
 
     /// Publishes a WRITTEN or FAILED task on the completion queue.
@@ -106,7 +146,12 @@ impl WriteTasks {
 
     /// Every published completion, oldest first, as an int64 array.
     fn drain_completions(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
-        let ids = self.queues.drain_completions().into_iter().map(|t| t.0 as i64).collect();
+        let ids = self
+            .queues
+            .drain_completions()
+            .into_iter()
+            .map(|t| t.0 as i64)
+            .collect();
         int_array(py, ids)
     }
 
@@ -117,7 +162,11 @@ impl WriteTasks {
 
     /// `(task_id, state)` of every live task, by id: the "which task is stuck" diagnostic.
     fn states(&self) -> Vec<(u64, &'static str)> {
-        self.table.states().into_iter().map(|(t, s)| (t.0, state_name(s))).collect()
+        self.table
+            .states()
+            .into_iter()
+            .map(|(t, s)| (t.0, state_name(s)))
+            .collect()
     }
 
     /// Entries in the copy lanes, stale ones included.
@@ -131,6 +180,10 @@ impl WriteTasks {
     }
 
     fn __repr__(&self) -> String {
-        format!("WriteTasks(live={}, queue_entries={})", self.table.len(), self.queues.num_entries())
+        format!(
+            "WriteTasks(live={}, queue_entries={})",
+            self.table.len(),
+            self.queues.num_entries()
+        )
     }
 }
