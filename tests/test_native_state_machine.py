@@ -190,18 +190,21 @@ class NativeMachine(RuleBasedStateMachine):
         rows = self.m_ledger.claims.setdefault(task_id, {}).setdefault(key, [])
         for slot in slots:
             owner, version, readers = self.m_ledger.get(slot, key)
-            if owner >= 0 and owner != task_id:
+            other_task = owner >= 0 and owner != task_id
+            if other_task:
                 stolen.append(slot)
                 stolen_from.append(owner)
-            elif owner == SOURCE_POOL and readers > 0:
-                preserve.append(slot)
+            if readers > 0 and (owner == SOURCE_POOL or other_task):
+                preserve.append((slot, version, owner))
             self.m_ledger.owner[(slot, key)] = task_id
             self.m_ledger.version[(slot, key)] = version + 1
             self.m_ledger.readers[(slot, key)] = 0
             rows.append((slot, version + 1))
         assert out.stolen_slots.tolist() == stolen
         assert out.stolen_from.tolist() == stolen_from
-        assert out.preserve_slots.tolist() == preserve
+        assert out.preserve_slots.tolist() == [s for s, _, _ in preserve]
+        assert out.preserve_versions.tolist() == [v for _, v, _ in preserve]
+        assert out.preserve_from.tolist() == [o for _, _, o in preserve]
 
     def _still_owned(self, task_id: int, key: int, slot: int, version: int) -> bool:
         owner, now, _ = self.m_ledger.get(slot, key)

@@ -53,7 +53,11 @@ class ClaimOutcome:
     stolen_from: IndexArray
     """The task each stolen slot was taken from."""
     preserve_slots: IndexArray
-    """Committed slots a pending read captured: copy their rows aside before overwriting."""
+    """Slots a pending read captured that this claim moves on: keep their rows aside."""
+    preserve_versions: npt.NDArray[np.uint64]
+    """The version each preserved row had (what the read captured)."""
+    preserve_from: IndexArray
+    """Where each preserved row is now: SOURCE_POOL, or the id of the in-transit task."""
 
 class ReadPlan:
     """A registered pending read."""

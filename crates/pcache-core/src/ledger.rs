@@ -98,9 +98,14 @@ pub struct ClaimOutcome {
     pub stolen_slots: Vec<i64>,
     /// The task each stolen slot was taken from (same length as `stolen_slots`).
     pub stolen_from: Vec<i64>,
-    /// Committed slots captured at their current version by a pending read: copy their rows
-    /// aside before this claim's rows overwrite them.
+    /// Slots a pending read captured at their current version, which this claim moves on:
+    /// their current rows must be kept aside for that read (copy-on-write). Committed rows
+    /// are in the pool now; rows of an in-transit task are in that task's staging rows.
     pub preserve_slots: Vec<i64>,
+    /// The version each preserved row had (what the pending read captured).
+    pub preserve_versions: Vec<u64>,
+    /// Where each preserved row is now: [`SOURCE_POOL`] or the in-transit task's id.
+    pub preserve_from: Vec<i64>,
 }
 
 /// A registered pending read: per slot, where the row was and its captured version.
@@ -264,7 +269,7 @@ impl Ledger {
 
     /// Claims `slots` of `key` for `task`, in the task's row order (appended to what the
     /// task already claimed on this key). Every slot's version is bumped and its owner becomes
-    /// `task`. Refused as a whole (nothing changes) for an unknown key, an out-of-range or
+    /// `task`. A slot the same task already holds is not reported as stolen or preserved. Refused as a whole (nothing changes) for an unknown key, an out-of-range or
     /// negative slot, or a slot listed twice.
     pub fn claim<S: RawSlot>(
         &mut self,
@@ -283,11 +288,15 @@ impl Ledger {
         for s in slots {
             let slot = s.to_i64() as usize;
             let owner = cols.owner[slot];
-            if owner >= OWNER_TASK_BASE && owner != me {
+            let other_task = owner >= OWNER_TASK_BASE && owner != me;
+            if other_task {
                 out.stolen_slots.push(slot as i64);
                 out.stolen_from.push((owner - OWNER_TASK_BASE) as i64);
-            } else if owner == OWNER_POOL && cols.readers[slot] > 0 {
+            }
+            if cols.readers[slot] > 0 && (owner == OWNER_POOL || other_task) {
                 out.preserve_slots.push(slot as i64);
+                out.preserve_versions.push(cols.version[slot]);
+                out.preserve_from.push(Source::from_owner(owner).code());
             }
             let version = cols.version[slot] + 1;
             cols.version[slot] = version;
@@ -508,6 +517,7 @@ mod tests {
         assert_eq!(plan.sources, vec![SOURCE_POOL, SOURCE_POOL]);
         let out = l.claim(&[9i64, 10], k, T2).unwrap();
         assert_eq!(out.preserve_slots, vec![9]);
+        assert_eq!((out.preserve_versions, out.preserve_from), (vec![1], vec![SOURCE_POOL]));
         assert!(out.stolen_slots.is_empty());
         assert_eq!(l.validate(plan.read).unwrap(), vec![1]);
         // Only once: the read captured the old version, a second claim needs no copy.
@@ -518,6 +528,20 @@ mod tests {
             .is_empty());
         l.release(plan.read).unwrap();
         assert_eq!(l.readers(&[8i64, 9], k).unwrap(), vec![0, 0]);
+    }
+
+    #[test]
+    fn claim_over_a_read_in_transit_slot_asks_the_old_task_to_preserve() {
+        let (mut l, k) = ledger_with_key();
+        l.claim(&[8i64, 9], k, T1).unwrap();
+        let plan = l.plan_read(&[9i64], k).unwrap();
+        assert_eq!(plan.sources, vec![1], "in transit under task#1");
+        let out = l.claim(&[9i64], k, T2).unwrap();
+        assert_eq!(out.stolen_slots, vec![9]);
+        assert_eq!(out.preserve_slots, vec![9]);
+        assert_eq!(out.preserve_versions, vec![1]);
+        assert_eq!(out.preserve_from, vec![1], "task#1 holds the captured row");
+        l.release(plan.read).unwrap();
     }
 
     #[test]

@@ -163,13 +163,19 @@ impl Model {
         let mut rows = Vec::new();
         for &slot in &slots {
             let before = self.cell(key, slot);
-            match before.owner {
+            let from = match before.owner {
                 Owner::Task(t) if t != task => {
                     out.stolen_slots.push(slot as i64);
                     out.stolen_from.push(t as i64);
+                    Some(t as i64)
                 }
-                Owner::Pool if self.readers(key, slot) > 0 => out.preserve_slots.push(slot as i64),
-                _ => {}
+                Owner::Pool => Some(SOURCE_POOL),
+                _ => None,
+            };
+            if let Some(from) = from.filter(|_| self.readers(key, slot) > 0) {
+                out.preserve_slots.push(slot as i64);
+                out.preserve_versions.push(before.version);
+                out.preserve_from.push(from);
             }
             let version = before.version + 1;
             *self.cell_mut(key, slot) = Cell {

@@ -15,8 +15,12 @@ pub struct ClaimOutcome {
     stolen_slots: Py<PyArray1<i64>>,
     /// The task each stolen slot was taken from.
     stolen_from: Py<PyArray1<i64>>,
-    /// Committed slots a pending read captured: copy their rows aside before overwriting.
+    /// Slots a pending read captured that this claim moves on: keep their rows aside.
     preserve_slots: Py<PyArray1<i64>>,
+    /// The version each preserved row had.
+    preserve_versions: Py<PyArray1<u64>>,
+    /// Where each preserved row is now: `SOURCE_POOL` or the in-transit task's id.
+    preserve_from: Py<PyArray1<i64>>,
 }
 
 /// A registered pending read (see `pcache_core::ReadPlan`).
@@ -74,6 +78,8 @@ impl Ledger {
             stolen_slots: int_array(py, out.stolen_slots),
             stolen_from: int_array(py, out.stolen_from),
             preserve_slots: int_array(py, out.preserve_slots),
+            preserve_versions: uint_array(py, out.preserve_versions),
+            preserve_from: int_array(py, out.preserve_from),
         })
     }
 
