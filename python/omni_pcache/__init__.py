@@ -20,6 +20,8 @@ from omni_pcache._native import (
     WriteTasks,
     __version__,
 )
+from omni_pcache.cache import PrefixCache
+from omni_pcache.config import HIDDEN, CacheConfig, CachePolicy
 from omni_pcache.errors import (
     CacheClosedError,
     ConfigError,
@@ -31,23 +33,35 @@ from omni_pcache.errors import (
     UnservableHitError,
     WriteFailedError,
 )
+from omni_pcache.events import NewRequest, ResumedRequest, StepBatch, StepEvents, StepOutputs
 from omni_pcache.hashing import block_hashes, hash_blocks
+from omni_pcache.stats import CacheStats
 
 __all__ = [
     "HASH_SEED",
+    "HIDDEN",
     "SOURCE_ABSENT",
     "SOURCE_POOL",
     "CacheClosedError",
+    "CacheConfig",
+    "CachePolicy",
+    "CacheStats",
     "ClaimOutcome",
     "ConfigError",
     "InvalidInputError",
     "Ledger",
+    "NewRequest",
+    "PrefixCache",
     "PrefixCacheError",
     "ReadPlan",
+    "ResumedRequest",
     "StagingSlots",
     "StagingTimeoutError",
+    "StepBatch",
+    "StepEvents",
     "StepIdError",
     "StepIds",
+    "StepOutputs",
     "TaskStateError",
     "UnservableHitError",
     "WriteFailedError",

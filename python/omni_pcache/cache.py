@@ -1,0 +1,451 @@
+"""`PrefixCache`: the facade a model runner calls each step.
+
+Per step, on the engine thread: `begin_step` (before the forward) registers new requests'
+hit spans and escalates the writes of finished ones; `save` (after the forward) copies the
+step's per-token rows into a staging page (one copy per key), claims their slots in the
+ledger under one write task per request, plans this step's hit reads, snapshots leftover mm
+and returns a step id. The committer thread writes the pool. `materialize` (any thread,
+possibly a step late) returns per request the cached prefix rows followed by this step's
+rows; `discard` consumes a step id nobody needs.
+
+Locks: one *ledger lock* makes ledger calls atomic with the Python bookkeeping around them
+(claims with copy-on-write obligations, commits with closing a write record, validation with
+the preserved-row lookup). It is never held across a wait, a copy or a scatter; waits use its
+condition variable.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from omni_pcache._native import Ledger, StagingSlots, StepIds, WriteTasks
+from omni_pcache.committer import Committer
+from omni_pcache.config import HIDDEN, CacheConfig, CachePolicy
+from omni_pcache.copy_engine import CopyEngine, CopyHandle
+from omni_pcache.errors import (
+    CacheClosedError,
+    ConfigError,
+    InvalidInputError,
+    PrefixCacheError,
+    StagingTimeoutError,
+    UnservableHitError,
+    WriteFailedError,
+)
+from omni_pcache.events import StepBatch, StepEvents, StepOutputs
+from omni_pcache.keys import KeyRegistry, KeySpec
+from omni_pcache.pages import StagingPages
+from omni_pcache.pool import HostPool
+from omni_pcache.preserve import PreservedRows
+from omni_pcache.reads import HitRead, HitReader
+from omni_pcache.snapshot import slice_leftover, snapshot
+from omni_pcache.stats import CacheStats, Counters
+from omni_pcache.validation import check_batch, check_events
+from omni_pcache.writes import PoolWriter, WriteRecord
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """What `materialize` needs of one saved step."""
+
+    step_id: int
+    page: int
+    handle: CopyHandle
+    n: int
+    n_padded: int
+    rows: dict[str, tuple[int, int]]  # req_id -> (first row in the page, row count)
+    keys: list[str]
+    hits: dict[str, HitRead]
+    leftover: dict[str, Any]
+
+
+class PrefixCache:
+    """A full-sequence prefix cache for one engine's per-token outputs. See the module doc."""
+
+    def __init__(self, config: CacheConfig, policy: CachePolicy | None = None) -> None:
+        if not isinstance(config, CacheConfig):
+            raise ConfigError(f"config must be a CacheConfig, got {type(config).__name__}")
+        policy = CachePolicy() if policy is None else policy
+        if not isinstance(policy, CachePolicy):
+            raise ConfigError(f"policy must be a CachePolicy, got {type(policy).__name__}")
+        if policy.deferred_keys:
+            raise ConfigError(
+                f"deferred_keys {sorted(policy.deferred_keys)} are not supported by this version; "
+                "cache them as immediate keys (drop them from CachePolicy.deferred_keys)"
+            )
+        self._config = config
+        self._policy = policy
+        self._cond = threading.Condition(threading.Lock())
+        self._ledger = Ledger(config.num_slots)
+        self._tasks = WriteTasks()
+        self._steps = StepIds()
+        self._staging = StagingSlots(config.staging_depth)
+        self._keys = KeyRegistry(policy, self._ledger.add_key)
+        self._pool = HostPool(config.num_slots)
+        self._pages = StagingPages(config.staging_depth, config.staging_capacity_tokens)
+        self._preserved = PreservedRows(config.max_preserved_rows, self._cond)
+        self._copies = CopyEngine()
+        self._writer = PoolWriter(
+            self._tasks, self._ledger, self._staging, self._pages, self._pool, self._preserved, self._cond
+        )
+        self._reader = HitReader(
+            self._ledger, self._pool, self._preserved, self._cond, self._wait_tasks, lambda: self._failure
+        )
+        self._records: dict[int, WriteRecord] = {}
+        self._req_tasks: dict[str, set[int]] = {}
+        self._pending_hits: dict[str, np.ndarray] = {}
+        self._step_records: dict[int, StepRecord] = {}
+        self._failure: WriteFailedError | None = None
+        self._closed = False
+        self._counters = Counters()
+        self._committer = Committer(self._tasks, self._write_task, self._on_write_failure, config.threaded)
+
+    # ---- context manager and lifecycle -------------------------------------------------
+
+    def __enter__(self) -> PrefixCache:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def config(self) -> CacheConfig:
+        return self._config
+
+    @property
+    def policy(self) -> CachePolicy:
+        return self._policy
+
+    def close(self) -> None:
+        """Writes what is queued, stops the committer and wakes every waiter. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._committer.stop(self._config.claim_timeout_s)
+        self._staging.close()
+        with self._cond:
+            self._cond.notify_all()
+
+    def _check_usable(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+        if self._closed:
+            raise CacheClosedError("the cache is closed")
+
+    # ---- engine thread: begin_step and save --------------------------------------------
+
+    def begin_step(self, events: StepEvents) -> None:
+        """Registers this step's events (engine thread, once per step, before the forward).
+
+        New requests with ``num_computed_tokens > 0`` register a hit span (planned at save);
+        writes of finished or aborted requests go to the front of the copy queue.
+        """
+        self._check_usable()
+        new_hits = check_events(events, self._config)
+        self._copies.fence()
+        self._reap_completions()
+        for req_id in events.finished:
+            self._pending_hits.pop(req_id, None)
+            for task_id in sorted(self._req_tasks.pop(req_id, ())):
+                self._tasks.escalate(task_id)
+        for req_id, slots in new_hits.items():
+            if slots is None:
+                self._pending_hits.pop(req_id, None)
+                self._counters.add(misses=1)
+            else:
+                self._pending_hits[req_id] = slots
+                self._counters.add(hits=1)
+
+    def save(self, hidden: torch.Tensor | None, mm: dict[str, Any] | None, batch: StepBatch) -> int:
+        """Saves one step's outputs and returns its step id (engine thread, after the forward).
+
+        Never waits for the copy it launches. Waits only for a free staging page when
+        ``staging_depth`` step ids are unconsumed, up to ``claim_timeout_s``. The returned id
+        must be consumed exactly once by `materialize` or `discard`.
+        """
+        self._check_usable()
+        shape = check_batch(batch, self._config)
+        cached, leftover = self._keys.classify(hidden, {} if mm is None else mm, shape.n, shape.n_padded)
+        specs = [spec for spec, _ in cached.values()]
+        for spec in specs:
+            self._pool.ensure(spec)
+            self._pages.ensure(spec)
+        step_id = self._steps.issue()
+        page = self._claim_page(step_id)
+        try:
+            copy = self._copies.start()
+            for name, (_, tensor) in cached.items():
+                copy.copy(self._pages.page(name, page)[: shape.n], tensor[: shape.n])
+            kept_leftover = {name: snapshot(value, copy) for name, value in leftover.items()}
+            handle = copy.finish()
+            records, from_pool = self._claim_rows(step_id, page, shape, specs, handle)
+        except CacheClosedError:
+            raise self._failure or CacheClosedError("the cache was closed during save") from None
+        for spec, slots, versions in from_pool:
+            rows = self._pool.read(spec.name, torch.tensor(slots, dtype=torch.int64))
+            self._preserved.fill(spec.name, slots, versions, rows)
+        with self._cond:
+            hits = {
+                req_id: self._reader.plan(req_id, self._pending_hits.pop(req_id), specs)
+                for req_id in shape.rows
+                if req_id in self._pending_hits
+            }
+            self._step_records[step_id] = StepRecord(
+                step_id, page, handle, shape.n, shape.n_padded, shape.rows, list(cached), hits, kept_leftover
+            )
+        for record in records:
+            self._tasks.enqueue(record.task_id)
+        self._committer.notify(len(records))
+        return step_id
+
+    def _claim_page(self, step_id: int) -> int:
+        try:
+            return self._staging.claim(("step", step_id), 0.0)
+        except StagingTimeoutError:
+            pass
+        except CacheClosedError:
+            self._steps.consume(step_id)
+            raise self._failure or CacheClosedError("the cache is closed") from None
+        start = time.monotonic()
+        try:
+            return self._staging.claim(("step", step_id), self._config.claim_timeout_s)
+        except StagingTimeoutError as exc:
+            self._steps.consume(step_id)
+            unconsumed = self._steps.outstanding()
+            err = StagingTimeoutError(
+                f"save waited {self._config.claim_timeout_s:g} s for a free staging page; "
+                f"{len(unconsumed)} step ids are unconsumed: {unconsumed} (each must be materialized "
+                f"or discarded; staging_depth={self._config.staging_depth}); page holders: {exc.holders}"
+            )
+            err.holders = exc.holders
+            err.unconsumed = unconsumed
+            raise err from None
+        except CacheClosedError:
+            self._steps.consume(step_id)
+            raise self._failure or CacheClosedError("the cache is closed") from None
+        finally:
+            self._counters.waited(time.monotonic() - start)
+
+    def _claim_rows(self, step_id, page, shape, specs: list[KeySpec], handle: CopyHandle):
+        """Creates one write task per request and claims its slots for every key, registering
+        copy-on-write obligations atomically with the claims (ledger lock)."""
+        records: list[WriteRecord] = []
+        from_pool: list[tuple[KeySpec, list[int], list[int]]] = []
+        if not specs:
+            return records, from_pool
+        with self._cond:
+            for req_id, (start, count) in shape.rows.items():
+                if count == 0:
+                    continue
+                slots = shape.slot_mapping[start : start + count]
+                task_id = self._tasks.create()
+                record = WriteRecord(
+                    task_id,
+                    step_id,
+                    req_id,
+                    page,
+                    start,
+                    count,
+                    tuple(specs),
+                    handle,
+                    torch.from_numpy(slots),
+                )
+                self._records[task_id] = record
+                self._req_tasks.setdefault(req_id, set()).add(task_id)
+                for spec in specs:
+                    out = self._ledger.claim(slots, spec.key_id, task_id)
+                    if out.preserve_slots.size:
+                        self._register_obligations(spec, out, step_id, from_pool)
+                self._staging.hold(page, ("task", task_id))
+                records.append(record)
+        return records, from_pool
+
+    def _register_obligations(self, spec: KeySpec, out, step_id: int, from_pool: list) -> None:
+        """Copy-on-write for slots a pending read captured (caller holds the ledger lock)."""
+        slots = out.preserve_slots.tolist()
+        versions = out.preserve_versions.tolist()
+        owners = out.preserve_from.tolist()
+        accepted = self._preserved.register(spec.name, slots, versions, step_id)
+        by_owner: dict[int, tuple[list[int], list[int]]] = {}
+        for slot, version, owner, ok in zip(slots, versions, owners, accepted, strict=True):
+            if ok:
+                group = by_owner.setdefault(owner, ([], []))
+                group[0].append(slot)
+                group[1].append(version)
+        for owner, (s, v) in by_owner.items():
+            if owner < 0:
+                from_pool.append((spec, s, v))
+            else:
+                self._records[owner].obligations.append((spec, s, v))
+
+    # ---- committer thread --------------------------------------------------------------
+
+    def _write_task(self, task_id: int) -> None:
+        if self._failure is not None:
+            raise self._failure
+        record = self._records[task_id]
+        self._writer.write(record)
+        self._staging.release(record.page, ("task", task_id))
+        self._tasks.complete(task_id)
+
+    def _on_write_failure(self, task_id: int, exc: BaseException) -> None:
+        """Makes the failure sticky and releases every page and waiter (committer thread)."""
+        with self._cond:
+            if self._failure is None:
+                record = self._records.get(task_id)
+                what = f"request {record.req_id!r}, step {record.step_id}" if record else "unknown"
+                err = WriteFailedError(
+                    f"write task#{task_id} ({what}) failed: {exc!r}; every later call raises this "
+                    "error: close the cache and build a new one"
+                )
+                err.task_id = task_id
+                err.__cause__ = exc
+                self._failure = err
+            self._cond.notify_all()
+        self._release_after_failure()
+
+    def _release_after_failure(self) -> None:
+        with self._cond:
+            for task_id, state in self._tasks.states():
+                if state not in ("WRITTEN", "FAILED"):
+                    self._tasks.fail(task_id)
+                try:
+                    self._ledger.abandon(task_id)
+                except InvalidInputError:
+                    pass
+            for hit_owner in self._step_records.values():
+                for hit in hit_owner.hits.values():
+                    self._reader.release(hit)
+            self._staging.close()
+            for page, holders in enumerate(self._staging.holders()):
+                for holder in holders:
+                    self._staging.release(page, holder)
+            self._cond.notify_all()
+
+    # ---- any thread: materialize, discard ----------------------------------------------
+
+    def _wait_tasks(self, task_ids: set[int], deadline: float) -> None:
+        """Waits until each task has written the pool (materializing thread)."""
+        start = time.monotonic()
+        with self._cond:
+            while True:
+                if self._failure is not None:
+                    raise self._failure
+                open_ids = [t for t in task_ids if t in self._records and not self._records[t].closed]
+                if not open_ids:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    states = {t: self._tasks.state(t) for t in open_ids}
+                    raise UnservableHitError(
+                        f"write tasks still unwritten after {self._config.claim_timeout_s:g} s: {states}"
+                    )
+                self._cond.wait(remaining)
+        self._counters.waited(time.monotonic() - start)
+
+    def _take_step(self, step_id: int, req_ids: Sequence[str] | None) -> StepRecord:
+        self._check_usable()
+        if isinstance(step_id, bool) or not isinstance(step_id, int):
+            raise InvalidInputError(f"step_id must be an int, got {step_id!r}")
+        record = self._step_records.get(step_id)
+        if record is not None and req_ids is not None:
+            missing = [r for r in req_ids if r not in record.rows]
+            if missing:
+                raise InvalidInputError(
+                    f"requests {missing} were not in step {step_id}; its requests: {list(record.rows)}"
+                )
+        self._steps.consume(step_id)  # raises StepIdError for a second or unknown consumption
+        with self._cond:
+            return self._step_records.pop(step_id)
+
+    def _finish_step(self, record: StepRecord) -> None:
+        with self._cond:
+            for hit in record.hits.values():
+                self._reader.release(hit)
+            outstanding = self._steps.outstanding()
+            self._preserved.drop_through(outstanding[0] if outstanding else None)
+        if not self._staging.closed:
+            self._staging.release(record.page, ("step", record.step_id))
+
+    def materialize(self, step_id: int, req_ids: Sequence[str]) -> StepOutputs:
+        """Per-request outputs of step ``step_id`` (any thread, exactly once per step id).
+
+        A request with a hit gets its cached prefix rows followed by this step's rows; a miss
+        gets this step's rows. Raises `UnservableHitError` for rows that cannot be served,
+        `StepIdError` for a consumed or unknown id, `InvalidInputError` for a request that
+        was not in the step (the id is then not consumed).
+        """
+        record = self._take_step(step_id, list(req_ids))
+        try:
+            record.handle.wait()
+            hidden: dict[str, Any] | None = {} if HIDDEN in record.keys else None
+            mm: dict[str, dict[str, Any]] = {name: {} for name in record.keys if name != HIDDEN}
+            mm.update({name: {} for name in record.leftover})
+            for req_id in req_ids:
+                start, count = record.rows[req_id]
+                rows = {
+                    name: self._pages.page(name, record.page)[start : start + count].clone()
+                    for name in record.keys
+                }
+                hit = record.hits.get(req_id)
+                if hit is not None:
+                    served = self._reader.serve(hit, step_id, self._config.claim_timeout_s)
+                    self._counters.add(
+                        rows_from_pool=served.from_pool,
+                        rows_in_flight=served.in_flight,
+                        rows_preserved=served.preserved,
+                    )
+                    rows = {name: torch.cat([served.rows[name], rows[name]]) for name in rows}
+                for name, value in rows.items():
+                    (hidden if name == HIDDEN else mm[name])[req_id] = value  # type: ignore[index]
+                for name, value in record.leftover.items():
+                    mm[name][req_id] = slice_leftover(value, start, start + count, record.n, record.n_padded)
+            return StepOutputs(hidden, mm)
+        finally:
+            self._finish_step(record)
+
+    def discard(self, step_id: int) -> None:
+        """Consumes a step id whose outputs nobody needs (any thread). Writes still land."""
+        self._finish_step(self._take_step(step_id, None))
+
+    # ---- engine thread housekeeping and stats ------------------------------------------
+
+    def _reap_completions(self) -> None:
+        for task_id in self._tasks.drain_completions().tolist():
+            record = self._records.pop(task_id, None)
+            self._tasks.remove(task_id)
+            if record is not None:
+                tasks = self._req_tasks.get(record.req_id)
+                if tasks is not None:
+                    tasks.discard(task_id)
+                    if not tasks:
+                        del self._req_tasks[record.req_id]
+
+    def stats(self) -> CacheStats:
+        """A snapshot of the counters (any thread; works after a failure or close)."""
+        c = self._counters
+        return CacheStats(
+            hits=c.hits,
+            misses=c.misses,
+            rows_from_pool=c.rows_from_pool,
+            rows_in_flight=c.rows_in_flight,
+            rows_preserved=c.rows_preserved,
+            bytes_written=dict(self._writer.bytes_written),
+            num_waits=c.num_waits,
+            wait_time_s=c.wait_time_s,
+            staging_holders=self._staging.holders(),
+            pool_bytes=self._pool.nbytes(),
+            staging_bytes=self._pages.nbytes(),
+            steps_outstanding=self._steps.outstanding(),
+            tasks_live=len(self._tasks),
+            preserved_entries=len(self._preserved),
+        )
+
+
+__all__ = ["PrefixCache", "PrefixCacheError"]

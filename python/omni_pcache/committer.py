@@ -1,0 +1,75 @@
+"""The committer: the one thread that writes the pool.
+
+It pops write tasks from the native copy queues (escalated first, then high, then low) and
+hands each to a write function. ``threaded=False`` runs the same loop inline, on the caller's
+thread, until the queues are empty (debugging; the engine thread then pays for pool writes).
+
+A write that raises is reported to ``on_failure`` (which makes the cache's failure sticky and
+releases everything); the committer then keeps draining so every queued task is settled.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from omni_pcache._native import WriteTasks
+
+logger = logging.getLogger("omni_pcache")
+
+
+class Committer:
+    """Runs ``write(task_id)`` for every queued task, on its own thread or inline."""
+
+    def __init__(
+        self,
+        tasks: WriteTasks,
+        write: Callable[[int], None],
+        on_failure: Callable[[int, BaseException], None],
+        threaded: bool,
+    ) -> None:
+        self._tasks = tasks
+        self._write = write
+        self._on_failure = on_failure
+        self._threaded = threaded
+        self._wake = threading.Semaphore(0)
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        if threaded:
+            self._thread = threading.Thread(target=self._run, name="omni-pcache-committer", daemon=True)
+            self._thread.start()
+
+    def notify(self, num_tasks: int = 1) -> None:
+        """Tasks were queued (engine thread). Inline mode writes them now."""
+        if self._threaded:
+            self._wake.release(num_tasks)
+        else:
+            self._drain()
+
+    def _drain(self) -> None:
+        while (task_id := self._tasks.pop()) is not None:
+            try:
+                self._write(task_id)
+            except BaseException as exc:  # reported, made sticky by the cache
+                self._on_failure(task_id, exc)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.acquire()
+            self._drain()
+            if self._stopping:
+                self._drain()
+                return
+
+    def stop(self, timeout_s: float) -> None:
+        """Writes what is queued, then ends the thread. Idempotent."""
+        self._stopping = True
+        if self._thread is not None:
+            self._wake.release()
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                logger.warning("omni_pcache: committer did not stop within %.1f s", timeout_s)
+            self._thread = None
+        else:
+            self._drain()

@@ -1,0 +1,95 @@
+"""Sizing and behaviour of a `PrefixCache`: `CacheConfig` (engine-shaped sizes) and
+`CachePolicy` (what a model caches)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from omni_pcache.errors import ConfigError
+
+MiB = 1 << 20
+
+HIDDEN = "hidden"
+"""The key under which hidden states are cached (and reported in stats)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Sizes of one cache, taken from the engine's KV cache and scheduler.
+
+    ``num_blocks`` and ``block_size`` must match the engine's KV cache: rows are addressed by
+    its slot ids. ``staging_depth`` bounds how many step ids may be unconsumed at once (each
+    holds one staging page of ``staging_capacity_tokens`` rows per key until materialized or
+    discarded). ``claim_timeout_s`` bounds every wait (a free staging page, a write task, a
+    preserved copy) before a diagnostic error. ``max_preserved_rows`` bounds the rows kept
+    aside for late reads of reused blocks. ``threaded=False`` runs pool writes inline on the
+    engine thread (debugging only).
+    """
+
+    num_blocks: int
+    block_size: int
+    staging_depth: int = 4
+    staging_capacity_tokens: int = 8192
+    claim_timeout_s: float = 30.0
+    device_budget_bytes: int = 512 * MiB
+    copy_chunk_bytes: int = 16 * MiB
+    max_preserved_rows: int = 65536
+    threaded: bool = True
+
+    def __post_init__(self) -> None:
+        positive = {
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "staging_depth": self.staging_depth,
+            "staging_capacity_tokens": self.staging_capacity_tokens,
+            "copy_chunk_bytes": self.copy_chunk_bytes,
+        }
+        for name, value in positive.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"CacheConfig.{name} must be a positive int, got {value!r}")
+        for name in ("device_budget_bytes", "max_preserved_rows"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"CacheConfig.{name} must be an int >= 0, got {value!r}")
+        if not (isinstance(self.claim_timeout_s, int | float) and math.isfinite(self.claim_timeout_s)):
+            raise ConfigError(
+                f"CacheConfig.claim_timeout_s must be a finite number, got {self.claim_timeout_s!r}"
+            )
+        if self.claim_timeout_s < 0:
+            raise ConfigError(f"CacheConfig.claim_timeout_s must be >= 0, got {self.claim_timeout_s!r}")
+        if self.num_blocks * self.block_size >= 2**32:
+            raise ConfigError(
+                f"num_blocks * block_size = {self.num_blocks * self.block_size} slots exceeds 2**32 - 1"
+            )
+
+    @property
+    def num_slots(self) -> int:
+        """Slots per key: ``num_blocks * block_size``."""
+        return self.num_blocks * self.block_size
+
+
+@dataclass(frozen=True, slots=True)
+class CachePolicy:
+    """What one model caches.
+
+    ``cache_hidden``: cache the hidden states passed to `PrefixCache.save`. ``token_keys``:
+    ``None`` discovers per-token mm keys by shape (dim 0 equals the step's token count, padded
+    or not) and classifies each key once; an explicit set turns discovery off, so only those
+    keys are cached and every other mm entry is leftover. ``deferred_keys``: per-token keys kept
+    on the device until their request finishes (they must be per-token keys).
+    """
+
+    cache_hidden: bool = True
+    token_keys: frozenset[str] | None = None
+    deferred_keys: frozenset[str] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        if self.token_keys is not None:
+            object.__setattr__(self, "token_keys", frozenset(self.token_keys))
+            if HIDDEN in self.token_keys:
+                raise ConfigError(f"{HIDDEN!r} is reserved for hidden states; use cache_hidden")
+        object.__setattr__(self, "deferred_keys", frozenset(self.deferred_keys))
+        if self.token_keys is not None and not self.deferred_keys <= self.token_keys:
+            missing = sorted(self.deferred_keys - self.token_keys)
+            raise ConfigError(f"deferred_keys {missing} are not in token_keys")

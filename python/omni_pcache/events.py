@@ -1,0 +1,63 @@
+"""Values the engine hands the cache each step (`StepEvents`, `StepBatch`) and what it gets
+back (`StepOutputs`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequest:
+    """A request scheduled for the first time. ``block_ids`` is its whole block table (hit
+    blocks first); ``num_computed_tokens`` is its prefix-cache hit length (whole blocks)."""
+
+    req_id: str
+    block_ids: Sequence[int]
+    num_computed_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ResumedRequest:
+    """A preempted request scheduled again: its new block table replaces the old one, and
+    it recomputes from ``num_computed_tokens``."""
+
+    req_id: str
+    block_ids: Sequence[int]
+    num_computed_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StepEvents:
+    """What changed since the last step: new and resumed requests, and finished or aborted ids
+    (an aborted request is reported as finished)."""
+
+    new: Sequence[NewRequest] = ()
+    resumed: Sequence[ResumedRequest] = ()
+    finished: Sequence[str] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    """The step's batch in the order of the model's rows: request ids, their scheduled token
+    counts, and the CPU slot id of every scheduled token (``sum(num_scheduled_tokens)`` of them,
+    or more with trailing padding). ``num_tokens_padded`` is the row count of hidden/mm when
+    CUDA graphs pad the batch (default: unpadded)."""
+
+    req_ids: Sequence[str]
+    num_scheduled_tokens: Sequence[int]
+    slot_mapping: np.ndarray
+    num_tokens_padded: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutputs:
+    """Per-request outputs of one step: ``hidden[req_id]`` (cached prefix rows followed by this
+    step's rows, or ``None`` when hidden states are not cached) and ``mm[key][req_id]`` (per-token
+    keys merged the same way; leftover entries sliced per request or passed whole)."""
+
+    hidden: dict[str, Any] | None
+    mm: dict[str, dict[str, Any]]

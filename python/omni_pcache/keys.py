@@ -1,0 +1,118 @@
+"""Which mm entries are per-token keys (cached by slot) and which are leftover (passed through).
+
+A per-token key has dim 0 equal to the step's token count (padded or not) and a fixed row
+shape and dtype. With discovery on (``CachePolicy.token_keys is None``) each name is
+classified once, on the first step that shows it; an explicit ``token_keys`` set turns
+discovery off. A later step whose tensor breaks a key's classification raises
+`InvalidInputError` before anything is written.
+
+Engine thread only (called from `PrefixCache.save`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from omni_pcache.config import HIDDEN, CachePolicy
+from omni_pcache.errors import InvalidInputError
+
+
+@dataclass(frozen=True, slots=True)
+class KeySpec:
+    """A cached per-token tensor: its name, row shape (shape after dim 0), dtype and ledger id."""
+
+    name: str
+    row_shape: tuple[int, ...]
+    dtype: torch.dtype
+    key_id: int
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row."""
+        numel = 1
+        for d in self.row_shape:
+            numel *= d
+        return numel * self.dtype.itemsize
+
+    def describe(self) -> str:
+        return f"{self.name!r} rows {tuple(self.row_shape)} {str(self.dtype).removeprefix('torch.')}"
+
+
+def _is_per_token(value: Any, n: int, n_padded: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] in (n, n_padded)
+
+
+class KeyRegistry:
+    """Classifies mm entries and remembers each key's spec. ``add_key`` registers a new key in
+    the ledger and returns its id."""
+
+    def __init__(self, policy: CachePolicy, add_key) -> None:
+        self._policy = policy
+        self._add_key = add_key
+        self._specs: dict[str, KeySpec] = {}
+        self._leftover: set[str] = set()
+
+    @property
+    def specs(self) -> dict[str, KeySpec]:
+        """Per-token keys seen so far, by name (hidden under `HIDDEN`)."""
+        return self._specs
+
+    def _check(self, name: str, value: Any, n: int, n_padded: int, spec: KeySpec | None) -> None:
+        what = "hidden states" if name == HIDDEN else f"mm key {name!r}"
+        if not isinstance(value, torch.Tensor):
+            raise InvalidInputError(f"{what} must be a tensor, got {type(value).__name__}")
+        if value.dim() < 1 or value.shape[0] not in (n, n_padded):
+            raise InvalidInputError(
+                f"{what} has shape {tuple(value.shape)}; dim 0 must be the step's token count "
+                f"{n} (or the padded count {n_padded})"
+            )
+        if spec is not None and (tuple(value.shape[1:]) != spec.row_shape or value.dtype != spec.dtype):
+            got = f"rows {tuple(value.shape[1:])} {str(value.dtype).removeprefix('torch.')}"
+            raise InvalidInputError(f"{what} was classified as {spec.describe()}, but this step has {got}")
+
+    def _spec_for(self, name: str, value: torch.Tensor) -> KeySpec:
+        spec = self._specs.get(name)
+        if spec is None:
+            spec = KeySpec(name, tuple(value.shape[1:]), value.dtype, self._add_key())
+            self._specs[name] = spec
+        return spec
+
+    def classify(
+        self, hidden: Any, mm: dict[str, Any], n: int, n_padded: int
+    ) -> tuple[dict[str, tuple[KeySpec, torch.Tensor]], dict[str, Any]]:
+        """Splits a step's outputs into per-token keys ``{name: (spec, tensor)}`` and leftover
+        ``{name: value}``. Checks everything before registering anything new."""
+        if not isinstance(mm, dict):
+            raise InvalidInputError(f"mm must be a dict of name -> value, got {type(mm).__name__}")
+        cached: dict[str, Any] = {}
+        leftover: dict[str, Any] = {}
+        if self._policy.cache_hidden:
+            if hidden is None:
+                raise InvalidInputError("hidden states are None but CachePolicy.cache_hidden is True")
+            self._check(HIDDEN, hidden, n, n_padded, self._specs.get(HIDDEN))
+            cached[HIDDEN] = hidden
+        token_keys = self._policy.token_keys
+        for name, value in mm.items():
+            if not isinstance(name, str):
+                raise InvalidInputError(f"mm keys must be str, got {name!r}")
+            if name == HIDDEN:
+                raise InvalidInputError(f"mm key {HIDDEN!r} is reserved for hidden states")
+            if token_keys is not None:
+                per_token = name in token_keys
+            elif name in self._specs:
+                per_token = True
+            elif name in self._leftover:
+                per_token = False
+            else:
+                per_token = n > 0 and _is_per_token(value, n, n_padded)
+            if per_token:
+                self._check(name, value, n, n_padded, self._specs.get(name))
+                cached[name] = value
+            else:
+                leftover[name] = value
+        if token_keys is None and n > 0:
+            self._leftover.update(k for k in leftover if k not in self._specs)
+        return {name: (self._spec_for(name, t), t) for name, t in cached.items()}, leftover

@@ -1,0 +1,56 @@
+"""Staging pages: a ring of ``staging_depth`` host pages per key, ``staging_capacity_tokens``
+rows each, that a step's device→host copy lands in before the committer scatters it into the
+pool. Which page is free is decided by the native `StagingSlots` registry (holders: the step
+until its id is consumed, and each write task until it has written the pool).
+
+Storage for a key is allocated on its first sight (pinned when CUDA is available).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from omni_pcache.copy_engine import empty_host
+from omni_pcache.keys import KeySpec
+
+logger = logging.getLogger("omni_pcache")
+
+
+class StagingPages:
+    """Per-key page storage ``(depth, capacity, *row_shape)``."""
+
+    def __init__(self, depth: int, capacity: int) -> None:
+        self._depth = depth
+        self._capacity = capacity
+        self._pages: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def ensure(self, spec: KeySpec) -> None:
+        """Allocates the key's pages on first sight (engine thread)."""
+        if spec.name in self._pages:
+            return
+        storage = empty_host((self._depth, self._capacity, *spec.row_shape), spec.dtype)
+        with self._lock:
+            self._pages.setdefault(spec.name, storage)
+        logger.info(
+            "staging for %s: %d pages x %d rows, %.1f MiB",
+            spec.describe(),
+            self._depth,
+            self._capacity,
+            storage.numel() * storage.element_size() / 2**20,
+        )
+
+    def page(self, key: str, page: int) -> torch.Tensor:
+        """The whole page ``page`` of ``key`` (a view)."""
+        return self._pages[key][page]
+
+    def nbytes(self) -> dict[str, int]:
+        with self._lock:
+            return {k: t.numel() * t.element_size() for k, t in self._pages.items()}

@@ -1,0 +1,56 @@
+"""The host pool: one tensor per cached key with a row for every engine KV slot.
+
+Storage for a key is allocated on its first sight (``num_slots`` rows of the key's row
+shape, pinned when CUDA is available) and its size is logged once. Rows are addressed by the
+engine's slot ids. Single writer: only the committer writes (`write`); any thread reads
+(`read`) rows whose version the ledger vouches for.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from omni_pcache.copy_engine import empty_host
+from omni_pcache.keys import KeySpec
+
+logger = logging.getLogger("omni_pcache")
+
+
+class HostPool:
+    """Per-key row storage, ``num_slots`` rows each."""
+
+    def __init__(self, num_slots: int) -> None:
+        self._num_slots = num_slots
+        self._rows: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def ensure(self, spec: KeySpec) -> None:
+        """Allocates the key's storage if this is its first sight (engine thread)."""
+        if spec.name in self._rows:
+            return
+        storage = empty_host((self._num_slots, *spec.row_shape), spec.dtype)
+        with self._lock:
+            self._rows.setdefault(spec.name, storage)
+        logger.info(
+            "host pool for %s: %d slots, %.1f MiB%s",
+            spec.describe(),
+            self._num_slots,
+            storage.numel() * storage.element_size() / 2**20,
+            " (pinned)" if storage.is_pinned() else "",
+        )
+
+    def write(self, key: str, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Scatters ``rows`` to ``slots`` (committer thread only)."""
+        self._rows[key].index_copy_(0, slots, rows)
+
+    def read(self, key: str, slots: torch.Tensor) -> torch.Tensor:
+        """A new tensor with the rows at ``slots`` (any thread)."""
+        return self._rows[key].index_select(0, slots)
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes allocated per key."""
+        with self._lock:
+            return {k: t.numel() * t.element_size() for k, t in self._rows.items()}

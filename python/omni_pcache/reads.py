@@ -1,0 +1,147 @@
+"""Hit reads: a request's cached prefix rows, planned at save and served at materialize.
+
+A hit is planned in the ledger at save, after this step's claims, so a request that hits
+blocks another request computes in the same step sees that request's task as the source.
+Serving follows a seqlock: wait for in-flight source tasks, read the pool rows, then ask the
+ledger which slots moved since the plan; moved rows come from the copy-on-write store. A
+row that was never written, or moved with no preserved copy, raises `UnservableHitError`:
+never zeros, stale rows or a short tensor.
+
+Threads: plans are made on the engine thread under the ledger lock; `serve` runs on
+whichever thread materializes, taking the lock only for validation and the preserved lookup.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from omni_pcache._native import SOURCE_ABSENT, SOURCE_POOL, Ledger
+from omni_pcache.errors import UnservableHitError
+from omni_pcache.keys import KeySpec
+from omni_pcache.pool import HostPool
+from omni_pcache.preserve import PreservedRows
+
+
+@dataclass(slots=True)
+class KeyRead:
+    """One key's planned read of a hit span."""
+
+    spec: KeySpec
+    read_id: int
+    slots: np.ndarray
+    sources: np.ndarray
+    versions: np.ndarray
+
+
+@dataclass(slots=True)
+class HitRead:
+    """A request's hit span ``[0, num_rows)`` planned for every cached key."""
+
+    req_id: str
+    num_rows: int
+    keys: list[KeyRead]
+    released: bool = False
+
+
+@dataclass(slots=True)
+class ServedRows:
+    """Rows of one hit per key, and where they came from (for stats)."""
+
+    rows: dict[str, torch.Tensor]
+    from_pool: int
+    in_flight: int
+    preserved: int
+
+
+class HitReader:
+    """Plans and serves hit reads against the pool. Shares the cache's ledger lock."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        pool: HostPool,
+        preserved: PreservedRows,
+        cond: threading.Condition,
+        wait_tasks: Callable[[set[int], float], None],
+        failure: Callable[[], BaseException | None],
+    ) -> None:
+        self._ledger = ledger
+        self._pool = pool
+        self._preserved = preserved
+        self._cond = cond
+        self._wait_tasks = wait_tasks
+        self._failure = failure
+
+    def plan(self, req_id: str, slots: np.ndarray, specs: list[KeySpec]) -> HitRead:
+        """Registers the reads of one hit for every key (caller holds the ledger lock)."""
+        reads = []
+        for spec in specs:
+            plan = self._ledger.plan_read(slots, spec.key_id)
+            reads.append(KeyRead(spec, plan.read_id, slots, plan.sources, plan.versions))
+        return HitRead(req_id, int(slots.size), reads)
+
+    def release(self, hit: HitRead) -> None:
+        """Releases the hit's reads (caller holds the ledger lock). Idempotent."""
+        if not hit.released:
+            hit.released = True
+            for read in hit.keys:
+                self._ledger.release(read.read_id)
+
+    def serve(self, hit: HitRead, step_id: int, timeout_s: float) -> ServedRows:
+        """The hit's rows per key (materializing thread). Raises `UnservableHitError`."""
+        deadline = time.monotonic() + timeout_s
+        for read in hit.keys:
+            absent = np.flatnonzero(read.sources == SOURCE_ABSENT)
+            if absent.size:
+                raise UnservableHitError(
+                    f"request {hit.req_id!r} (step {step_id}) hits {hit.num_rows} rows of "
+                    f"{read.spec.name!r}, but {absent.size} were never written (first positions "
+                    f"{absent[:8].tolist()}, slots {read.slots[absent[:8]].tolist()}): the cache "
+                    "does not mirror the engine's KV for these blocks"
+                )
+        in_flight = {int(t) for read in hit.keys for t in np.unique(read.sources) if t >= 0}
+        if in_flight:
+            self._wait_tasks(in_flight, deadline)
+        served: dict[str, torch.Tensor] = {}
+        preserved = in_flight_rows = from_pool = 0
+        for read in hit.keys:
+            rows = self._pool.read(read.spec.name, torch.from_numpy(read.slots))
+            with self._cond:
+                moved = self._ledger.validate(read.read_id)
+                if moved.size:
+                    slots = read.slots[moved].tolist()
+                    versions = read.versions[moved].tolist()
+                    lost = [
+                        (s, v)
+                        for s, v in zip(slots, versions, strict=True)
+                        if not self._preserved.contains(read.spec.name, s, v)
+                    ]
+                    if lost:
+                        raise UnservableHitError(
+                            f"request {hit.req_id!r} (step {step_id}): {len(lost)} rows of "
+                            f"{read.spec.name!r} were overwritten by a newer tenant before this read "
+                            f"and no copy was preserved (slot, version): {lost[:8]}; raise "
+                            "CacheConfig.max_preserved_rows or materialize sooner"
+                        )
+                    try:
+                        kept = self._preserved.take(read.spec.name, slots, versions, deadline, self._failure)
+                    except TimeoutError as exc:
+                        raise UnservableHitError(f"request {hit.req_id!r} (step {step_id}): {exc}") from None
+                    rows[torch.from_numpy(moved)] = kept
+                    preserved += int(moved.size)
+                else:
+                    moved = np.empty(0, dtype=np.int64)
+            kept_sources = np.delete(read.sources, moved)
+            in_flight_rows += int(np.count_nonzero(kept_sources >= 0))
+            from_pool += int(np.count_nonzero(kept_sources == SOURCE_POOL))
+            served[read.spec.name] = rows
+        return ServedRows(served, from_pool, in_flight_rows, preserved)
+
+
+__all__ = ["SOURCE_POOL", "HitRead", "HitReader", "KeyRead", "ServedRows"]

@@ -1,0 +1,39 @@
+"""Leftover mm snapshots: a CPU copy taken at save, so materialize never reads a live buffer
+that the engine may overwrite (CUDA-graph outputs, in-place updates)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import torch
+
+from omni_pcache.copy_engine import StepCopy
+
+
+def snapshot(value: Any, engine: StepCopy) -> Any:
+    """A deep CPU copy of ``value``: tensors are copied (device tensors through ``engine``, so
+    the reader must wait the step's copy handle before reading them), containers are rebuilt,
+    numpy arrays copied, anything else deep-copied."""
+    if isinstance(value, torch.Tensor):
+        return engine.snapshot(value)
+    if isinstance(value, dict):
+        return {k: snapshot(v, engine) for k, v in value.items()}
+    if isinstance(value, list):
+        return [snapshot(v, engine) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(snapshot(v, engine) for v in value)
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, (int, float, bool, str, bytes, type(None))):
+        return value
+    return copy.deepcopy(value)
+
+
+def slice_leftover(value: Any, start: int, stop: int, n: int, n_padded: int) -> Any:
+    """One request's share of a leftover entry: a tensor whose dim 0 is the step's token count
+    is sliced to the request's rows; everything else is passed whole."""
+    if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] in (n, n_padded):
+        return value[start:stop]
+    return value

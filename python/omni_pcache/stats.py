@@ -1,0 +1,52 @@
+"""`CacheStats`: counters of one cache for metrics and logs."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """A snapshot of a cache's counters.
+
+    ``hits``/``misses`` count new requests with and without a prefix hit. Rows served for
+    hits are split by where they came from: the pool, a write still in flight when the hit
+    was planned (served after waiting for it), or a copy preserved when the block was reused.
+    ``num_waits``/``wait_time_s`` cover every blocking wait (free staging page, in-flight
+    write, preserved copy). ``staging_holders`` lists who holds each staging page now.
+    """
+
+    hits: int = 0
+    misses: int = 0
+    rows_from_pool: int = 0
+    rows_in_flight: int = 0
+    rows_preserved: int = 0
+    bytes_written: dict[str, int] = field(default_factory=dict)
+    num_waits: int = 0
+    wait_time_s: float = 0.0
+    staging_holders: list[list[tuple[str, int]]] = field(default_factory=list)
+    pool_bytes: dict[str, int] = field(default_factory=dict)
+    staging_bytes: dict[str, int] = field(default_factory=dict)
+    steps_outstanding: list[int] = field(default_factory=list)
+    tasks_live: int = 0
+    preserved_entries: int = 0
+
+
+class Counters:
+    """Mutable counters behind `CacheStats` (any thread; one small lock)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+        self.rows_from_pool = self.rows_in_flight = self.rows_preserved = 0
+        self.num_waits = 0
+        self.wait_time_s = 0.0
+
+    def add(self, **deltas: float) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def waited(self, seconds: float) -> None:
+        self.add(num_waits=1, wait_time_s=seconds)

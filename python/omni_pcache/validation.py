@@ -1,0 +1,117 @@
+"""Checks of what the engine hands the cache, done before anything changes: a bad event or
+batch raises `InvalidInputError` saying what was wrong and leaves the cache as it was."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from omni_pcache.config import CacheConfig
+from omni_pcache.errors import InvalidInputError
+from omni_pcache.events import NewRequest, ResumedRequest, StepBatch, StepEvents
+
+
+@dataclass(frozen=True, slots=True)
+class BatchShape:
+    """A checked batch: token counts, each request's row range, and int64 slot ids."""
+
+    n: int
+    n_padded: int
+    rows: dict[str, tuple[int, int]]
+    slot_mapping: np.ndarray
+
+
+def _int(value: object, what: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        raise InvalidInputError(f"{what} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def hit_slots(block_ids, num_computed: int, block_size: int) -> np.ndarray:
+    """Slot ids of positions ``[0, num_computed)`` of a request with this block table."""
+    blocks = np.asarray(block_ids, dtype=np.int64)[: num_computed // block_size]
+    return (blocks[:, None] * block_size + np.arange(block_size, dtype=np.int64)).reshape(-1)
+
+
+def check_events(events: StepEvents, config: CacheConfig) -> dict[str, np.ndarray | None]:
+    """Checks a step's events; returns each new request's hit slots (``None`` for a miss)."""
+    if not isinstance(events, StepEvents):
+        raise InvalidInputError(f"begin_step takes StepEvents, got {type(events).__name__}")
+    hits: dict[str, np.ndarray | None] = {}
+    for kind, requests, cls in (("new", events.new, NewRequest), ("resumed", events.resumed, ResumedRequest)):
+        for req in requests:
+            if not isinstance(req, cls):
+                raise InvalidInputError(f"StepEvents.{kind} holds {cls.__name__}s, got {type(req).__name__}")
+            computed = _int(req.num_computed_tokens, f"{req.req_id!r}: num_computed_tokens")
+            blocks = [_int(b, f"{req.req_id!r}: block id") for b in req.block_ids]
+            if any(b >= config.num_blocks for b in blocks):
+                raise InvalidInputError(
+                    f"{req.req_id!r}: block ids {blocks} out of range [0, {config.num_blocks})"
+                )
+            if kind == "new":
+                if computed % config.block_size:
+                    raise InvalidInputError(
+                        f"{req.req_id!r}: num_computed_tokens={computed} is not a whole number of "
+                        f"blocks (block_size={config.block_size}); prefix hits are whole blocks"
+                    )
+                if computed > len(blocks) * config.block_size:
+                    raise InvalidInputError(
+                        f"{req.req_id!r}: num_computed_tokens={computed} exceeds its "
+                        f"{len(blocks)} blocks of {config.block_size}"
+                    )
+                if req.req_id in hits:
+                    raise InvalidInputError(f"request {req.req_id!r} is new twice in one step")
+                hits[req.req_id] = hit_slots(blocks, computed, config.block_size) if computed else None
+    return hits
+
+
+def check_batch(batch: StepBatch, config: CacheConfig) -> BatchShape:
+    """Checks a step's batch against the config."""
+    if not isinstance(batch, StepBatch):
+        raise InvalidInputError(f"save takes a StepBatch, got {type(batch).__name__}")
+    req_ids = list(batch.req_ids)
+    if len(req_ids) != len(batch.num_scheduled_tokens):
+        raise InvalidInputError(
+            f"{len(req_ids)} req_ids but {len(batch.num_scheduled_tokens)} num_scheduled_tokens"
+        )
+    counts = [
+        _int(c, f"num_scheduled_tokens of {r!r}")
+        for r, c in zip(req_ids, batch.num_scheduled_tokens, strict=True)
+    ]
+    if len(set(req_ids)) != len(req_ids):
+        raise InvalidInputError(f"req_ids has duplicates: {req_ids}")
+    n = sum(counts)
+    n_padded = n if batch.num_tokens_padded is None else _int(batch.num_tokens_padded, "num_tokens_padded", n)
+    if n > config.staging_capacity_tokens:
+        raise InvalidInputError(
+            f"a step of {n} tokens exceeds staging_capacity_tokens={config.staging_capacity_tokens}; "
+            "size it to the scheduler's max_num_batched_tokens"
+        )
+    mapping = batch.slot_mapping
+    if isinstance(mapping, torch.Tensor):
+        if mapping.device.type != "cpu":
+            raise InvalidInputError(
+                "slot_mapping must be the CPU slot ids (no device sync), got a device tensor"
+            )
+        mapping = mapping.numpy()
+    mapping = np.asarray(mapping)
+    if mapping.ndim != 1 or not np.issubdtype(mapping.dtype, np.integer):
+        raise InvalidInputError(
+            f"slot_mapping must be a 1-D integer array, got {mapping.dtype} {mapping.shape}"
+        )
+    if mapping.size < n:
+        raise InvalidInputError(f"slot_mapping has {mapping.size} entries for {n} scheduled tokens")
+    slots = np.ascontiguousarray(mapping[:n], dtype=np.int64)
+    if n and (slots.min() < 0 or slots.max() >= config.num_slots):
+        bad = int(np.flatnonzero((slots < 0) | (slots >= config.num_slots))[0])
+        raise InvalidInputError(
+            f"slot_mapping[{bad}] = {int(slots[bad])} is out of range [0, {config.num_slots})"
+        )
+    rows: dict[str, tuple[int, int]] = {}
+    start = 0
+    for req_id, count in zip(req_ids, counts, strict=True):
+        rows[req_id] = (start, count)
+        start += count
+    return BatchShape(n, n_padded, rows, slots)
