@@ -1,0 +1,42 @@
+"""Small helpers shared by the cache tests: slot math and self-describing rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from omni_pcache import CacheConfig, PrefixCache, StepBatch
+
+
+def slots_of(block_ids: list[int], start: int, count: int, block_size: int) -> np.ndarray:
+    """Slot ids of positions ``[start, start + count)`` of a request with this block table."""
+    pos = np.arange(start, start + count)
+    return np.asarray(block_ids, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
+
+
+def rows(writer: int, start: int, count: int, width: int = 3, dtype=torch.float32) -> torch.Tensor:
+    """Rows that name themselves: row i is ``[writer, position, 0, 1, ...]``."""
+    out = torch.zeros(count, width, dtype=torch.float64)
+    out[:, 0] = writer
+    out[:, 1] = torch.arange(start, start + count, dtype=torch.float64)
+    if width > 2:
+        out[:, 2:] = torch.arange(width - 2, dtype=torch.float64)
+    return out.to(dtype)
+
+
+def describe(t: torch.Tensor) -> list[tuple[int, int]]:
+    """(writer, position) of each row made by `rows`, for readable failures."""
+    return [(int(r[0]), int(r[1])) for r in t.double()]
+
+
+def batch(req_counts: list[tuple[str, int]], slot_lists: list[np.ndarray], padded: int | None = None):
+    return StepBatch(
+        [r for r, _ in req_counts], [c for _, c in req_counts], np.concatenate(slot_lists), padded
+    )
+
+
+def small_cache(**overrides) -> PrefixCache:
+    cfg = dict(num_blocks=16, block_size=4, staging_depth=3, staging_capacity_tokens=64, claim_timeout_s=5.0)
+    cfg.update(overrides)
+    policy = cfg.pop("policy", None)
+    return PrefixCache(CacheConfig(**cfg), policy)

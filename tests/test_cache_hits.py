@@ -1,0 +1,173 @@
+"""Hit merge, partial matches, same-step hits and block reuse through the facade."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from cachekit import batch, describe, rows, slots_of, small_cache
+
+from omni_pcache import NewRequest, StepEvents, UnservableHitError
+
+BS = 4
+
+
+def run_step(cache, new=(), finished=(), reqs=(), mm_fn=None):
+    """One begin_step + save. ``reqs``: (req_id, block_ids, start, count, writer)."""
+    cache.begin_step(StepEvents(new=list(new), finished=list(finished)))
+    hidden = torch.cat([rows(w, s, c) for _, _, s, c, w in reqs])
+    mm = {"codes": torch.cat([rows(w, s, c, width=2, dtype=torch.int64) for _, _, s, c, w in reqs])}
+    if mm_fn is not None:
+        mm = mm_fn(reqs)
+    slot_lists = [slots_of(b, s, c, BS) for _, b, s, c, _ in reqs]
+    return cache.save(hidden, mm, batch([(r, c) for r, _, _, c, _ in reqs], slot_lists))
+
+
+def expect(out, req: str, spans: list[tuple[int, int, int]]) -> None:
+    """``spans``: (writer, start, count) pieces the request's rows must consist of."""
+    want = torch.cat([rows(w, s, c) for w, s, c in spans])
+    got = out.hidden[req]
+    assert describe(got) == describe(want)
+    assert torch.equal(got, want)
+    want_codes = torch.cat([rows(w, s, c, width=2, dtype=torch.int64) for w, s, c in spans])
+    assert torch.equal(out.mm["codes"][req], want_codes)
+
+
+def test_hit_gets_cached_prefix_then_step_rows_and_miss_gets_step_rows() -> None:
+    with small_cache() as cache:
+        sid = run_step(cache, [NewRequest("a", [0, 1, 2])], reqs=[("a", [0, 1, 2], 0, 10, 1)])
+        expect(cache.materialize(sid, ["a"]), "a", [(1, 0, 10)])
+        sid = run_step(
+            cache,
+            [NewRequest("b", [0, 1, 5], 8), NewRequest("c", [6, 7])],
+            reqs=[("b", [0, 1, 5], 8, 3, 2), ("c", [6, 7], 0, 5, 3)],
+        )
+        out = cache.materialize(sid, ["b", "c"])
+        expect(out, "b", [(1, 0, 8), (2, 8, 3)])
+        expect(out, "c", [(3, 0, 5)])
+        stats = cache.stats()
+        assert (stats.hits, stats.misses) == (1, 2)
+        assert stats.rows_from_pool == 16  # 8 hidden + 8 codes rows
+
+
+@pytest.mark.parametrize("earlier_finished", [False, True])
+def test_partial_match_writes_its_divergent_block_without_touching_the_earlier_request(earlier_finished):
+    with small_cache() as cache:
+        sid = run_step(cache, [NewRequest("a", [0, 1, 2])], reqs=[("a", [0, 1, 2], 0, 12, 1)])
+        cache.materialize(sid, ["a"])
+        finished = ["a"] if earlier_finished else []
+        sid = run_step(
+            cache, [NewRequest("b", [0, 1, 3], 8)], finished=finished, reqs=[("b", [0, 1, 3], 8, 4, 2)]
+        )
+        expect(cache.materialize(sid, ["b"]), "b", [(1, 0, 8), (2, 8, 4)])
+        # A third request sharing all three of a's blocks still reads a's rows, and one sharing
+        # b's third block reads b's.
+        sid = run_step(
+            cache,
+            [NewRequest("c", [0, 1, 2, 4], 12), NewRequest("d", [0, 1, 3, 5], 12)],
+            reqs=[("c", [0, 1, 2, 4], 12, 1, 3), ("d", [0, 1, 3, 5], 12, 1, 4)],
+        )
+        out = cache.materialize(sid, ["c", "d"])
+        expect(out, "c", [(1, 0, 12), (3, 12, 1)])
+        expect(out, "d", [(1, 0, 8), (2, 8, 4), (4, 12, 1)])
+
+
+def test_same_step_hit_on_blocks_another_request_computes_now() -> None:
+    with small_cache() as cache:
+        sid = run_step(
+            cache,
+            [NewRequest("a", [0, 1, 2]), NewRequest("b", [0, 1, 3], 8)],
+            reqs=[("a", [0, 1, 2], 0, 9, 1), ("b", [0, 1, 3], 8, 2, 2)],
+        )
+        out = cache.materialize(sid, ["b", "a"])
+        expect(out, "a", [(1, 0, 9)])
+        expect(out, "b", [(1, 0, 8), (2, 8, 2)])
+        assert cache.stats().rows_in_flight == 16
+
+
+def test_after_reuse_hits_read_the_new_tenant() -> None:
+    with small_cache() as cache:
+        cache.materialize(run_step(cache, [NewRequest("a", [0, 1])], reqs=[("a", [0, 1], 0, 8, 1)]), ["a"])
+        # a finished; block 0 gets a new tenant.
+        sid = run_step(cache, [NewRequest("b", [0, 2])], finished=["a"], reqs=[("b", [0, 2], 0, 6, 2)])
+        cache.materialize(sid, ["b"])
+        sid = run_step(cache, [NewRequest("c", [0, 3], 4)], reqs=[("c", [0, 3], 4, 2, 3)])
+        expect(cache.materialize(sid, ["c"]), "c", [(2, 0, 4), (3, 4, 2)])
+
+
+def test_a_late_read_of_a_reused_block_serves_the_old_tenant_from_a_preserved_copy() -> None:
+    with small_cache() as cache:
+        cache.materialize(run_step(cache, [NewRequest("a", [0, 1])], reqs=[("a", [0, 1], 0, 8, 1)]), ["a"])
+        # b hits a's block 0 in step 1; step 1 is materialized only after step 2 reused block 0.
+        hit_step = run_step(cache, [NewRequest("b", [0, 2], 4)], finished=["a"], reqs=[("b", [0, 2], 4, 3, 2)])
+        reuse_step = run_step(
+            cache, [NewRequest("c", [0, 3])], finished=["b"], reqs=[("c", [0, 3], 0, 5, 3)]
+        )
+        result = {}
+        t = threading.Thread(target=lambda: result.update(out=cache.materialize(hit_step, ["b"])))
+        t.start()
+        t.join()
+        expect(result["out"], "b", [(1, 0, 4), (2, 4, 3)])
+        assert cache.stats().rows_preserved == 8  # 4 hidden + 4 codes rows
+        expect(cache.materialize(reuse_step, ["c"]), "c", [(3, 0, 5)])
+
+
+def test_a_late_read_of_a_block_reused_while_its_write_was_in_flight() -> None:
+    # b hits block 0 while a is computing it (same step); block 0 is reused by c before a's
+    # write lands. a skips the stolen slots, so b's preserved copy must come from a's staging
+    # rows, and c's rows must win in the pool.
+    with small_cache() as cache:
+        gate = threading.Event()
+        write = cache._writer.write
+
+        def gated_write(record):
+            assert gate.wait(10), "test gate never opened"
+            write(record)
+
+        cache._writer.write = gated_write
+        step = run_step(
+            cache,
+            [NewRequest("a", [0, 1]), NewRequest("b", [0, 2], 4)],
+            reqs=[("a", [0, 1], 0, 6, 1), ("b", [0, 2], 4, 2, 2)],
+        )
+        reuse = run_step(cache, [NewRequest("c", [0])], finished=["a", "b"], reqs=[("c", [0], 0, 4, 3)])
+        gate.set()
+        expect(cache.materialize(step, ["b"]), "b", [(1, 0, 4), (2, 4, 2)])
+        assert cache.stats().rows_preserved == 8
+        cache.discard(reuse)
+        sid = run_step(cache, [NewRequest("d", [0, 3], 4)], finished=["c"], reqs=[("d", [0, 3], 4, 1, 4)])
+        expect(cache.materialize(sid, ["d"]), "d", [(3, 0, 4), (4, 4, 1)])
+
+
+def test_no_preserved_copy_raises_unservable_hit() -> None:
+    with small_cache(max_preserved_rows=0) as cache:
+        cache.materialize(run_step(cache, [NewRequest("a", [0, 1])], reqs=[("a", [0, 1], 0, 8, 1)]), ["a"])
+        hit_step = run_step(cache, [NewRequest("b", [0, 2], 4)], finished=["a"], reqs=[("b", [0, 2], 4, 3, 2)])
+        reuse_step = run_step(cache, [NewRequest("c", [0, 3])], reqs=[("c", [0, 3], 0, 5, 3)])
+        with pytest.raises(UnservableHitError, match=r"overwritten by a newer tenant.*no copy was preserved"):
+            cache.materialize(hit_step, ["b"])
+        # The cache stays usable: the failed step id was consumed, the next one works.
+        expect(cache.materialize(reuse_step, ["c"]), "c", [(3, 0, 5)])
+        assert cache.stats().steps_outstanding == []
+
+
+def test_a_hit_on_rows_never_written_raises_instead_of_zeros() -> None:
+    with small_cache() as cache:
+        sid = run_step(cache, [NewRequest("b", [5, 6], 4)], reqs=[("b", [5, 6], 4, 2, 2)])
+        with pytest.raises(UnservableHitError, match=r"'b'.*4 were never written"):
+            cache.materialize(sid, ["b"])
+
+
+def test_mm_key_missing_from_the_hit_prefix_raises() -> None:
+    # 'extra' is first seen after block 0 was written without it: a hit cannot be served.
+    with small_cache() as cache:
+        cache.materialize(run_step(cache, [NewRequest("a", [0, 1])], reqs=[("a", [0, 1], 0, 8, 1)]), ["a"])
+
+        def with_extra(reqs):
+            n = sum(c for _, _, _, c, _ in reqs)
+            return {"codes": torch.zeros(n, 2, dtype=torch.int64), "extra": torch.ones(n)}
+
+        sid = run_step(cache, [NewRequest("b", [0, 2], 4)], reqs=[("b", [0, 2], 4, 2, 2)], mm_fn=with_extra)
+        with pytest.raises(UnservableHitError, match="'extra'"):
+            cache.materialize(sid, ["b"])
