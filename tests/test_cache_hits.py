@@ -6,8 +6,8 @@ import threading
 
 import pytest
 import torch
-from cachekit import batch, describe, rows, slots_of, small_cache
 
+from cachekit import batch, describe, rows, slots_of, small_cache
 from omni_pcache import NewRequest, StepEvents, UnservableHitError
 
 BS = 4
@@ -100,10 +100,10 @@ def test_a_late_read_of_a_reused_block_serves_the_old_tenant_from_a_preserved_co
     with small_cache() as cache:
         cache.materialize(run_step(cache, [NewRequest("a", [0, 1])], reqs=[("a", [0, 1], 0, 8, 1)]), ["a"])
         # b hits a's block 0 in step 1; step 1 is materialized only after step 2 reused block 0.
-        hit_step = run_step(cache, [NewRequest("b", [0, 2], 4)], finished=["a"], reqs=[("b", [0, 2], 4, 3, 2)])
-        reuse_step = run_step(
-            cache, [NewRequest("c", [0, 3])], finished=["b"], reqs=[("c", [0, 3], 0, 5, 3)]
+        hit_step = run_step(
+            cache, [NewRequest("b", [0, 2], 4)], finished=["a"], reqs=[("b", [0, 2], 4, 3, 2)]
         )
+        reuse_step = run_step(cache, [NewRequest("c", [0, 3])], finished=["b"], reqs=[("c", [0, 3], 0, 5, 3)])
         result = {}
         t = threading.Thread(target=lambda: result.update(out=cache.materialize(hit_step, ["b"])))
         t.start()
@@ -143,7 +143,9 @@ def test_a_late_read_of_a_block_reused_while_its_write_was_in_flight() -> None:
 def test_no_preserved_copy_raises_unservable_hit() -> None:
     with small_cache(max_preserved_rows=0) as cache:
         cache.materialize(run_step(cache, [NewRequest("a", [0, 1])], reqs=[("a", [0, 1], 0, 8, 1)]), ["a"])
-        hit_step = run_step(cache, [NewRequest("b", [0, 2], 4)], finished=["a"], reqs=[("b", [0, 2], 4, 3, 2)])
+        hit_step = run_step(
+            cache, [NewRequest("b", [0, 2], 4)], finished=["a"], reqs=[("b", [0, 2], 4, 3, 2)]
+        )
         reuse_step = run_step(cache, [NewRequest("c", [0, 3])], reqs=[("c", [0, 3], 0, 5, 3)])
         with pytest.raises(UnservableHitError, match=r"overwritten by a newer tenant.*no copy was preserved"):
             cache.materialize(hit_step, ["b"])

@@ -32,6 +32,7 @@ from omni_pcache.errors import (
     TaskStateError,
     UnservableHitError,
     WriteFailedError,
+    WriteTimeoutError,
 )
 from omni_pcache.events import NewRequest, ResumedRequest, StepBatch, StepEvents, StepOutputs
 from omni_pcache.hashing import block_hashes, hash_blocks
@@ -66,6 +67,7 @@ __all__ = [
     "UnservableHitError",
     "WriteFailedError",
     "WriteTasks",
+    "WriteTimeoutError",
     "__version__",
     "block_hashes",
     "hash_blocks",

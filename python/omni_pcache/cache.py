@@ -35,8 +35,8 @@ from omni_pcache.errors import (
     InvalidInputError,
     PrefixCacheError,
     StagingTimeoutError,
-    UnservableHitError,
     WriteFailedError,
+    WriteTimeoutError,
 )
 from omni_pcache.events import StepBatch, StepEvents, StepOutputs
 from omni_pcache.keys import KeyRegistry, KeySpec
@@ -121,6 +121,17 @@ class PrefixCache:
     @property
     def policy(self) -> CachePolicy:
         return self._policy
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Waits until every queued write has reached the pool (any thread but the committer).
+        Raises `WriteFailedError` if a write failed, `WriteTimeoutError` on timeout."""
+        timeout = self._config.claim_timeout_s if timeout_s is None else timeout_s
+        with self._cond:
+            open_ids = {t for t, r in self._records.items() if not r.closed}
+        if open_ids:
+            self._wait_tasks(open_ids, time.monotonic() + timeout)
+        elif self._failure is not None:
+            raise self._failure
 
     def close(self) -> None:
         """Writes what is queued, stops the committer and wakes every waiter. Idempotent."""
@@ -343,9 +354,12 @@ class PrefixCache:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     states = {t: self._tasks.state(t) for t in open_ids}
-                    raise UnservableHitError(
-                        f"write tasks still unwritten after {self._config.claim_timeout_s:g} s: {states}"
+                    err = WriteTimeoutError(
+                        f"write tasks not in the pool after {time.monotonic() - start:.3g} s "
+                        f"(task id: state): {states}"
                     )
+                    err.states = states
+                    raise err
                 self._cond.wait(remaining)
         self._counters.waited(time.monotonic() - start)
 

@@ -50,6 +50,12 @@ class UnservableHitError(PrefixCacheError):
     """A hit whose rows cannot be served: never written, overwritten, or its write failed."""
 
 
+class WriteTimeoutError(PrefixCacheError):
+    """A write task did not reach the pool in time; ``states`` maps each stuck task to its state."""
+
+    states: dict[int, str]
+
+
 class WriteFailedError(PrefixCacheError):
     """A copy or pool write failed; raised by every later call until the cache is reset."""
 
@@ -64,4 +70,5 @@ __all__ = [
     "TaskStateError",
     "UnservableHitError",
     "WriteFailedError",
+    "WriteTimeoutError",
 ]

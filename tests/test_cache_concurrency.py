@@ -1,0 +1,419 @@
+"""Whole-system concurrency: a tiny engine drives the cache on one thread while another thread
+materializes every step one step late.
+
+The engine has a small block pool (so freed blocks are reused by new tenants often), requests
+whose token sequences share prefixes, a prefix-cache table from full-block content to block id
+(a block can be hit while allocated or after it was freed and before it is reused, also by a
+request scheduled later in the same step as the one computing it), chunked prefills and aborts.
+
+Rows encode their own origin:
+
+- ``hidden`` is a pure function of the token prefix ``tokens[: p + 1]`` (its digest, ``p``, the
+  token), as in a real engine where identical prefixes give identical rows. The expected rows
+  of a request are then computable from its own tokens, and a stale row of an old tenant (a
+  different prefix) differs.
+- mm ``who`` is a stamp ``[key, slot, writer, step]`` (tests/rowcodec.py) of the request and
+  step that computed the row, so a wrong row says where it came from.
+- mm ``codes`` is a 1-D per-token key (row shape ``()``); ``step_tag`` is a leftover scalar.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import random
+import sys
+import threading
+import time
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+
+from omni_pcache import CacheConfig, CachePolicy, NewRequest, PrefixCache, StepBatch, StepEvents
+from rowcodec import Stamp, describe, row_diff, stamps
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 14
+VOCAB = 3
+STEM_LEN = 14
+NUM_STEMS = 4
+MAX_LEN = 22
+TOKEN_BUDGET = 36
+WHO_KEY = 1
+DIGEST_MOD = (1 << 52) - 47  # a digest is an exact float64
+
+
+def digests(tokens: tuple[int, ...]) -> list[int]:
+    """``digests(t)[p]`` is a hash of the prefix ``t[: p + 1]`` (the row content of position p)."""
+    out, d = [], 7
+    for tok in tokens:
+        d = (d * 1_000_003 + tok + 1) % DIGEST_MOD
+        out.append(d)
+    return out
+
+
+def hidden_rows(tokens: tuple[int, ...], lo: int, hi: int) -> torch.Tensor:
+    dig = digests(tokens)
+    return torch.tensor([[dig[p], p, tokens[p]] for p in range(lo, hi)], dtype=torch.float64).reshape(-1, 3)
+
+
+def code_rows(tokens: tuple[int, ...], lo: int, hi: int) -> torch.Tensor:
+    dig = digests(tokens)
+    return torch.tensor([dig[p] % 1_000_003 for p in range(lo, hi)], dtype=torch.int64)
+
+
+@dataclass
+class SimRequest:
+    req_id: str
+    writer: int
+    tokens: tuple[int, ...]
+    block_ids: list[int] = field(default_factory=list)
+    num_hit_tokens: int = 0
+    num_scheduled: int = 0  # positions computed or hit so far
+    started: bool = False
+
+
+@dataclass
+class Expected:
+    """What materialize must return for one request of one step."""
+
+    hidden: torch.Tensor
+    codes: torch.Tensor
+    who: torch.Tensor
+    num_hit_rows: int
+
+
+@dataclass
+class SavedStep:
+    step_id: int
+    step: int
+    req_ids: list[str]
+    expected: dict[str, Expected]
+    discard: bool
+
+
+class TinyEngine:
+    """A scheduler + block pool + prefix-cache table, enough to drive the cache like vLLM does."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(NUM_BLOCKS))  # LRU order
+        self.refs = [0] * NUM_BLOCKS
+        self.cached: dict[tuple[int, ...], int] = {}  # full-block prefix content -> block id
+        self.block_content: list[tuple[int, ...] | None] = [None] * NUM_BLOCKS
+        self.slot_who: dict[int, tuple[int, int]] = {}  # slot -> (writer, step) of its current row
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.finishing: list[str] = []
+        self.next_writer = 0
+        self.stems = [tuple(rng.randrange(VOCAB) for _ in range(STEM_LEN)) for _ in range(NUM_STEMS)]
+        self.counts: Counter[str] = Counter()
+
+    # ---- requests and blocks ---------------------------------------------------------------
+
+    def _arrive(self) -> None:
+        for _ in range(self.rng.choice((0, 1, 1, 2))):
+            if len(self.waiting) >= 4:
+                return
+            stem = self.rng.choice(self.stems)
+            keep = self.rng.randint(0, STEM_LEN)
+            length = self.rng.randint(max(keep, 2), MAX_LEN)
+            tokens = stem[:keep] + tuple(self.rng.randrange(VOCAB) for _ in range(length - keep))
+            writer = self.next_writer
+            self.next_writer += 1
+            self.waiting.append(SimRequest(f"r{writer}", writer, tokens))
+
+    def _lookup_hits(self, req: SimRequest) -> list[int]:
+        hits: list[int] = []
+        while (len(hits) + 1) * BLOCK_SIZE < len(req.tokens):  # leave >= 1 token to compute
+            block = self.cached.get(req.tokens[: (len(hits) + 1) * BLOCK_SIZE])
+            if block is None:
+                break
+            hits.append(block)
+        if hits and self.rng.random() < 0.15:
+            hits = hits[: self.rng.randint(0, len(hits) - 1)]  # a partial (or no) hit
+        return hits
+
+    def _free_blocks(self, req: SimRequest) -> None:
+        for block in reversed(req.block_ids):
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self.free[block] = None  # most recently freed: reused last
+
+    def _allocate(self, req: SimRequest, hits: list[int]) -> bool:
+        num_fresh = math.ceil(len(req.tokens) / BLOCK_SIZE) - len(hits)
+        if num_fresh > len(self.free) - sum(1 for b in set(hits) if b in self.free):
+            return False
+        for block in hits:
+            if self.refs[block] == 0:
+                del self.free[block]
+            self.refs[block] += 1
+        fresh = []
+        for _ in range(num_fresh):
+            block, _ = self.free.popitem(last=False)
+            content = self.block_content[block]
+            if content is not None:  # a new tenant: the block's cached content is gone
+                if self.cached.get(content) == block:
+                    del self.cached[content]
+                self.block_content[block] = None
+                self.counts["reused_blocks"] += 1
+            self.refs[block] = 1
+            fresh.append(block)
+        req.block_ids = hits + fresh
+        req.num_hit_tokens = req.num_scheduled = len(hits) * BLOCK_SIZE
+        if hits:
+            self.counts["hits"] += 1
+        return True
+
+    def _slot(self, req: SimRequest, position: int) -> int:
+        return req.block_ids[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def step(self, step: int):
+        """Schedules one step: returns its events, batch, outputs and the expected rows."""
+        finished, self.finishing = self.finishing, []
+        self._arrive()
+        budget = TOKEN_BUDGET
+        scheduled: list[tuple[SimRequest, int]] = []
+        new: list[NewRequest] = []
+        for req in self.running:
+            count = min(len(req.tokens) - req.num_scheduled, budget)
+            if count > 0:
+                scheduled.append((req, count))
+                budget -= count
+                self._compute(req, count, step)
+        while self.waiting and budget > 0:
+            req = self.waiting[0]
+            hits = self._lookup_hits(req)
+            if not self._allocate(req, hits):
+                break  # head-of-line: wait for blocks
+            self.waiting.popleft()
+            req.started = True
+            count = min(len(req.tokens) - req.num_scheduled, budget)
+            if count >= 2 and self.rng.random() < 0.3:
+                count = self.rng.randint(1, count - 1)
+                self.counts["chunked"] += 1
+            new.append(NewRequest(req.req_id, list(req.block_ids), req.num_hit_tokens))
+            self.running.append(req)
+            scheduled.append((req, count))
+            budget -= count
+            # Later requests of this step may hit the blocks this one fills.
+            self._compute(req, count, step)
+        return self._outputs(step, scheduled, new, finished)
+
+    def _compute(self, req: SimRequest, count: int, step: int) -> None:
+        """Marks positions [num_scheduled, +count) computed by ``req`` at ``step`` and publishes
+        the blocks they fill in the prefix-cache table (at schedule time, as vLLM does)."""
+        start = req.num_scheduled
+        for position in range(start, start + count):
+            self.slot_who[self._slot(req, position)] = (req.writer, step)
+        end = start + count
+        for index in range(start // BLOCK_SIZE, end // BLOCK_SIZE):
+            content = req.tokens[: (index + 1) * BLOCK_SIZE]
+            block = req.block_ids[index]
+            if content not in self.cached and self.block_content[block] is None:
+                self.cached[content] = block
+                self.block_content[block] = content
+        req.num_scheduled = end
+
+    def _outputs(self, step, scheduled, new, finished):
+        new_ids = {n.req_id for n in new}
+        req_ids, counts, slots, hidden, codes, who = [], [], [], [], [], []
+        expected: dict[str, Expected] = {}
+        for req, count in scheduled:
+            end = req.num_scheduled
+            start = end - count
+            req_slots = [self._slot(req, p) for p in range(start, end)]
+            req_ids.append(req.req_id)
+            counts.append(count)
+            slots += req_slots
+            hidden.append(hidden_rows(req.tokens, start, end))
+            codes.append(code_rows(req.tokens, start, end))
+            who.append(stamps([Stamp(WHO_KEY, s, req.writer, step) for s in req_slots]))
+            lo = 0 if req.req_id in new_ids else start
+            if lo < start:
+                self.counts["rows_hit"] += start - lo
+            exp_who = []
+            for p in range(lo, end):
+                slot = self._slot(req, p)
+                writer, wstep = self.slot_who[slot]
+                exp_who.append(Stamp(WHO_KEY, slot, writer, wstep))
+                if p < start and wstep == step:
+                    self.counts["rows_hit_same_step"] += 1
+            expected[req.req_id] = Expected(
+                hidden_rows(req.tokens, lo, end), code_rows(req.tokens, lo, end), stamps(exp_who), start - lo
+            )
+        for req, _ in scheduled:
+            if req.num_scheduled == len(req.tokens):
+                self._finish(req)
+        for req in list(self.running):
+            if self.rng.random() < 0.02:  # abort mid-prefill
+                self.counts["aborted"] += 1
+                self._finish(req)
+        events = StepEvents(new=new, finished=finished)
+        batch = StepBatch(req_ids, counts, np.array(slots, dtype=np.int64))
+        n = len(slots)
+        mm = {
+            "who": torch.cat(who) if who else torch.empty((0, 4), dtype=torch.int64),
+            "codes": torch.cat(codes) if codes else torch.empty(0, dtype=torch.int64),
+            "step_tag": torch.tensor(step),
+        }
+        h = torch.cat(hidden) if hidden else torch.empty((0, 3), dtype=torch.float64)
+        assert h.shape[0] == n
+        return events, batch, h, mm, req_ids, expected
+
+    def _finish(self, req: SimRequest) -> None:
+        self.running.remove(req)
+        self._free_blocks(req)
+        self.finishing.append(req.req_id)
+
+
+def check_outputs(cache: PrefixCache, saved: SavedStep) -> int:
+    """Materializes (or discards) one saved step and checks every row; returns rows checked."""
+    if saved.discard:
+        cache.discard(saved.step_id)
+        return 0
+    out = cache.materialize(saved.step_id, saved.req_ids)
+    where = f"step {saved.step} (id {saved.step_id})"
+    assert out.hidden is not None and set(out.hidden) == set(saved.req_ids), where
+    assert set(out.mm) == {"who", "codes", "step_tag"}, (where, sorted(out.mm))
+    problems = []
+    for req_id in saved.req_ids:
+        exp = saved.expected[req_id]
+        got_who = out.mm["who"][req_id]
+
+        def explain(p: int, got_who=got_who, exp=exp) -> str:
+            got = got_who[p] if p < got_who.shape[0] else None
+            part = "hit" if p < exp.num_hit_rows else "this step"
+            return (
+                f"({part}) came from [{describe(got, BLOCK_SIZE)}], "
+                f"expected [{describe(exp.who[p], BLOCK_SIZE)}]"
+            )
+
+        for label, got, want in (
+            ("hidden", out.hidden[req_id], exp.hidden),
+            ("who", got_who, exp.who),
+            ("codes", out.mm["codes"][req_id], exp.codes),
+        ):
+            diff = row_diff(f"{where} request {req_id} {label}", got, want, explain)
+            if diff:
+                problems.append(diff)
+        tag = out.mm["step_tag"][req_id]
+        if not (isinstance(tag, torch.Tensor) and tag.dim() == 0 and int(tag) == saved.step):
+            problems.append(f"{where} request {req_id}: leftover step_tag {tag!r}, expected {saved.step}")
+    assert not problems, "\n".join(problems)
+    return sum(e.hidden.shape[0] for e in saved.expected.values())
+
+
+def run_engine_and_late_consumer(num_steps: int, seed: int) -> tuple[PrefixCache, Counter[str]]:
+    """Runs ``num_steps`` engine steps on this thread; a second thread materializes each step
+    after the next one is saved. Returns the (closed) cache and the engine's counters."""
+    rng = random.Random(seed)
+    engine = TinyEngine(rng)
+    config = CacheConfig(
+        NUM_BLOCKS,
+        BLOCK_SIZE,
+        staging_depth=3,
+        staging_capacity_tokens=TOKEN_BUDGET,
+        claim_timeout_s=20.0,
+        threaded=True,
+    )
+    cache = PrefixCache(config, CachePolicy(token_keys=frozenset({"who", "codes"})))
+    handoff: queue.Queue[SavedStep | None] = queue.Queue()
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    checked = Counter()
+
+    def consume() -> None:
+        late: SavedStep | None = None
+        while True:
+            item = handoff.get()
+            if late is not None:
+                try:
+                    if errors:
+                        cache.discard(late.step_id)
+                    else:
+                        checked["rows"] += check_outputs(cache, late)
+                        checked["steps"] += 1
+                except BaseException as exc:
+                    errors.append(exc)
+                    stop.set()
+            if item is None:
+                return
+            late = item
+
+    consumer = threading.Thread(target=consume, name="late-materializer", daemon=True)
+    consumer.start()
+    try:
+        for step in range(num_steps):
+            if stop.is_set():
+                break
+            events, batch, hidden, mm, req_ids, expected = engine.step(step)
+            cache.begin_step(events)
+            step_id = cache.save(hidden, mm, batch)
+            handoff.put(SavedStep(step_id, step, req_ids, expected, discard=rng.random() < 0.04))
+    finally:
+        handoff.put(None)
+        consumer.join(timeout=60)
+    assert not consumer.is_alive(), "the materializing thread is stuck"
+    if errors:
+        raise errors[0]
+    engine.counts.update(checked)
+    return cache, engine.counts
+
+
+def settle(cache: PrefixCache, timeout_s: float = 10.0) -> None:
+    """Waits until every staging page is free (all step ids consumed, all tasks written)."""
+    deadline = time.monotonic() + timeout_s
+    while any(cache.stats().staging_holders):
+        assert time.monotonic() < deadline, f"staging pages still held: {cache.stats().staging_holders}"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def busy_switching():
+    """More thread switches per second, so more interleavings of engine, committer and reader."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    yield
+    sys.setswitchinterval(before)
+
+
+def _check_run(cache: PrefixCache, counts: Counter[str], num_steps: int) -> None:
+    try:
+        stats = cache.stats()
+        assert stats.steps_outstanding == []
+        settle(cache)
+        # The run must have exercised what it claims to test.
+        assert counts["steps"] >= num_steps * 0.9, counts
+        assert counts["reused_blocks"] > num_steps // 10, counts
+        assert counts["rows_hit_same_step"] > 0, counts
+        assert counts["chunked"] > 0 and counts["aborted"] > 0, counts
+        stats = cache.stats()
+        assert stats.hits > num_steps // 10, stats
+        assert stats.rows_preserved > 0, ("no late read of a reused block was served", stats, counts)
+        assert stats.rows_in_flight > 0, stats
+        assert stats.rows_from_pool > 0, stats
+        cache.begin_step(StepEvents())  # reaps completions
+        assert cache.stats().tasks_live == 0
+        assert cache.stats().preserved_entries == 0
+    finally:
+        cache.close()
+
+
+def test_a_one_step_late_reader_gets_every_row_of_its_own_prefix(busy_switching) -> None:
+    num_steps = 1000
+    cache, counts = run_engine_and_late_consumer(num_steps, seed=1234)
+    _check_run(cache, counts, num_steps)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_a_one_step_late_reader_soak(busy_switching, seed: int) -> None:
+    num_steps = 5000
+    cache, counts = run_engine_and_late_consumer(num_steps, seed=seed)
+    _check_run(cache, counts, num_steps)

@@ -1,0 +1,114 @@
+"""A failed copy or pool write: sticky, loud, and nothing hangs or stays held."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from cachekit import small_cache
+from omni_pcache import NewRequest, StepBatch, StepEvents, WriteFailedError
+
+
+def save_one(cache, first_slot=0, n=2):
+    return cache.save(torch.ones(n, 2), {}, StepBatch(["a"], [n], np.arange(first_slot, first_slot + n)))
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+@pytest.mark.parametrize("where", ["pool_write", "copy_wait"])
+def test_a_failed_write_is_sticky_and_releases_everything(threaded: bool, where: str) -> None:
+    cache = small_cache(threaded=threaded, staging_depth=2, claim_timeout_s=5.0)
+    boom = RuntimeError("injected: disk on fire")
+
+    def fail(*args, **kwargs):
+        raise boom
+
+    if where == "pool_write":
+        cache._pool.write = fail
+    else:
+        cache._writer.write = fail
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+    first = save_one(cache)
+    with pytest.raises(
+        WriteFailedError, match=r"write task#0 \(request 'a', step 0\) failed.*disk on fire"
+    ) as err:
+        cache.flush()
+    assert err.value.task_id == 0
+    assert err.value.__cause__ is boom
+    for call in (
+        lambda: cache.begin_step(StepEvents()),
+        lambda: save_one(cache, first_slot=2),
+        lambda: cache.materialize(first, ["a"]),
+        lambda: cache.discard(first),
+        cache.flush,
+    ):
+        with pytest.raises(WriteFailedError, match="task#0"):
+            call()
+    stats = cache.stats()  # still readable for diagnostics
+    assert stats.staging_holders == [[], []], "every staging page released"
+    assert stats.tasks_live == 1
+    cache.close()
+
+
+def test_a_save_waiting_for_a_page_wakes_when_a_write_fails() -> None:
+    cache = small_cache(staging_depth=1, claim_timeout_s=30.0)
+    gate = threading.Event()
+    write = cache._writer.write
+
+    def slow_then_fail(record):
+        gate.wait(10)
+        raise OSError("injected")
+
+    cache._writer.write = slow_then_fail
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+    save_one(cache)
+    errors = []
+
+    def second_save():
+        try:
+            save_one(cache, first_slot=2)
+        except BaseException as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=second_save)
+    waiter.start()
+    gate.set()
+    waiter.join(10)
+    assert not waiter.is_alive(), "the waiting save hung"
+    assert len(errors) == 1 and isinstance(errors[0], WriteFailedError)
+    cache._writer.write = write
+    cache.close()
+
+
+def test_a_materialize_waiting_on_a_write_wakes_when_it_fails() -> None:
+    cache = small_cache(claim_timeout_s=30.0)
+    gate = threading.Event()
+    entered = threading.Event()
+
+    def slow_then_fail(record):
+        entered.set()
+        gate.wait(10)
+        raise OSError("injected")
+
+    cache._writer.write = slow_then_fail
+    # b hits block 0 while a computes it in the same step: materialize must wait for a's write.
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1]), NewRequest("b", [0, 2], 4)]))
+    sid = cache.save(torch.ones(6, 2), {}, StepBatch(["a", "b"], [5, 1], np.array([0, 1, 2, 3, 4, 8])))
+    assert entered.wait(10)
+    errors: list[BaseException] = []
+
+    def consume():
+        try:
+            cache.materialize(sid, ["b"])
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    gate.set()
+    t.join(10)
+    assert not t.is_alive(), "materialize hung on a failed write"
+    assert len(errors) == 1 and isinstance(errors[0], WriteFailedError), errors
+    cache.close()

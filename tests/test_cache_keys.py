@@ -1,0 +1,154 @@
+"""Per-token keys of any row shape and dtype, shape discovery, leftover mm and padding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cachekit import slots_of, small_cache
+from omni_pcache import (
+    CachePolicy,
+    InvalidInputError,
+    NewRequest,
+    StepBatch,
+    StepEvents,
+)
+
+BS = 4
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32]
+ROW_SHAPES = [(), (5,), (2, 3)]
+
+
+def encoded(
+    start: int, count: int, row_shape: tuple[int, ...], dtype: torch.dtype, salt: int
+) -> torch.Tensor:
+    """Rows whose every element encodes (position, salt), exact in every dtype used here."""
+    numel = int(np.prod(row_shape)) if row_shape else 1
+    pos = torch.arange(start, start + count).reshape(count, *([1] * len(row_shape)))
+    inner = torch.arange(numel).reshape(row_shape) if row_shape else torch.tensor(0)
+    return (pos * 8 + inner % 8 + salt * 64).to(dtype)
+
+
+def two_requests(cache, key_fn, **save_kwargs):
+    """a (fresh, 8 tokens) then b (hits a's first block, computes 3). Returns b's outputs."""
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+    h, mm = key_fn(0, 8, salt=1)
+    sid = cache.save(h, mm, StepBatch(["a"], [8], slots_of([0, 1], 0, 8, BS)), **save_kwargs)
+    cache.materialize(sid, ["a"])
+    cache.begin_step(StepEvents(new=[NewRequest("b", [0, 2], 4)]))
+    h, mm = key_fn(4, 3, salt=2)
+    sid = cache.save(h, mm, StepBatch(["b"], [3], slots_of([0, 2], 4, 3, BS)))
+    return cache.materialize(sid, ["b"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("row_shape", ROW_SHAPES, ids=str)
+def test_any_row_shape_and_dtype_round_trips_exactly(row_shape, dtype) -> None:
+    def key_fn(start, count, salt):
+        hidden = encoded(start, count, (6,), dtype, salt)
+        return hidden, {"feat": encoded(start, count, row_shape, dtype, salt)}
+
+    with small_cache() as cache:
+        out = two_requests(cache, key_fn)
+    want_feat = torch.cat([encoded(0, 4, row_shape, dtype, 1), encoded(4, 3, row_shape, dtype, 2)])
+    want_hidden = torch.cat([encoded(0, 4, (6,), dtype, 1), encoded(4, 3, (6,), dtype, 2)])
+    assert out.mm["feat"]["b"].dtype == dtype
+    assert out.mm["feat"]["b"].shape == (7, *row_shape)
+    assert torch.equal(out.mm["feat"]["b"], want_feat)
+    assert torch.equal(out.hidden["b"], want_hidden)
+
+
+def test_discovery_classifies_once_and_refuses_a_changed_row_shape_or_dtype() -> None:
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        sid = cache.save(torch.zeros(4, 2), {"feat": torch.zeros(4, 3)}, StepBatch(["a"], [4], np.arange(4)))
+        cache.discard(sid)
+        batch = StepBatch(["a"], [4], np.arange(4, 8))
+        with pytest.raises(
+            InvalidInputError, match=r"'feat' was classified as 'feat' rows \(3,\) float32.*rows \(5,\)"
+        ):
+            cache.save(torch.zeros(4, 2), {"feat": torch.zeros(4, 5)}, batch)
+        with pytest.raises(InvalidInputError, match=r"rows \(3,\) float16"):
+            cache.save(torch.zeros(4, 2), {"feat": torch.zeros(4, 3, dtype=torch.float16)}, batch)
+        with pytest.raises(InvalidInputError, match=r"dim 0 must be the step's token count 4"):
+            cache.save(torch.zeros(4, 2), {"feat": torch.zeros(9, 3)}, batch)
+        with pytest.raises(InvalidInputError, match=r"hidden states was classified"):
+            cache.save(torch.zeros(4, 7), {"feat": torch.zeros(4, 3)}, batch)
+        assert cache.stats().steps_outstanding == [], "refused saves issue no step id"
+        cache.discard(cache.save(torch.ones(4, 2), {"feat": torch.ones(4, 3)}, batch))
+
+
+def test_a_key_first_seen_as_leftover_stays_leftover() -> None:
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        first = {"lens": torch.tensor([1, 2, 3])}  # dim 0 != 4: leftover
+        cache.discard(cache.save(torch.zeros(4, 2), first, StepBatch(["a"], [4], np.arange(4))))
+        # Later its dim 0 happens to equal the token count: still leftover, never cached.
+        out_id = cache.save(
+            torch.zeros(3, 2), {"lens": torch.tensor([7, 8, 9])}, StepBatch(["a"], [3], np.arange(4, 7))
+        )
+        out = cache.materialize(out_id, ["a"])
+        assert torch.equal(out.mm["lens"]["a"], torch.tensor([7, 8, 9]))
+        assert "lens" not in cache.stats().pool_bytes
+
+
+def test_explicit_token_keys_turn_discovery_off() -> None:
+    policy = CachePolicy(token_keys={"codes"})
+    with small_cache(policy=policy) as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1]), NewRequest("b", [2])]))
+        mm = {"codes": torch.arange(6), "coincidence": torch.arange(100, 106)}
+        sid = cache.save(torch.zeros(6, 2), mm, StepBatch(["a", "b"], [4, 2], np.array([0, 1, 2, 3, 8, 9])))
+        out = cache.materialize(sid, ["a", "b"])
+        assert set(cache.stats().pool_bytes) == {"hidden", "codes"}
+        # Not cached, but sliced per request since its dim 0 equals the token count.
+        assert torch.equal(out.mm["coincidence"]["b"], torch.tensor([104, 105]))
+        with pytest.raises(InvalidInputError, match=r"mm key 'codes' must be a tensor"):
+            cache.save(torch.zeros(2, 2), {"codes": [1, 2]}, StepBatch(["a"], [2], np.array([4, 5])))
+
+
+def test_leftover_is_a_snapshot_sliced_or_passed_whole() -> None:
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0]), NewRequest("b", [1])]))
+        ref = torch.arange(10.0)
+        per_tok = torch.arange(5.0) * 10  # dim 0 == n: discovered as per-token and cached
+        nested = {"spk": torch.ones(2), "names": ["x", "y"], "deep": {"t": torch.zeros(3)}}
+        mm = {"ref": ref, "nested": nested, "count": 7, "ids": [1, 2, 3], "per_tok": per_tok}
+        sid = cache.save(torch.zeros(5, 2), mm, StepBatch(["a", "b"], [2, 3], np.array([0, 1, 4, 5, 6])))
+        ref.add_(1000)  # the caller reuses its buffers after save
+        nested["spk"].mul_(-1)
+        nested["deep"]["t"].fill_(5)
+        nested["names"].append("z")
+        out = cache.materialize(sid, ["a", "b"])
+        for req in ("a", "b"):
+            assert torch.equal(out.mm["ref"][req], torch.arange(10.0))
+            assert torch.equal(out.mm["nested"][req]["spk"], torch.ones(2))
+            assert torch.equal(out.mm["nested"][req]["deep"]["t"], torch.zeros(3))
+            assert out.mm["nested"][req]["names"] == ["x", "y"]
+            assert out.mm["count"][req] == 7 and out.mm["ids"][req] == [1, 2, 3]
+        assert torch.equal(out.mm["per_tok"]["b"], torch.tensor([20.0, 30.0, 40.0]))
+
+
+def test_padded_step_caches_only_the_scheduled_rows() -> None:
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        hidden = torch.arange(8.0).reshape(8, 1).repeat(1, 2)  # 6 real rows + 2 padding rows
+        codes = torch.arange(6) + 100  # a per-token mm key left unpadded on a padded step
+        sid = cache.save(
+            hidden, {"codes": codes}, StepBatch(["a"], [6], np.array([0, 1, 2, 3, 4, 5, -1, -1]), 8)
+        )
+        out = cache.materialize(sid, ["a"])
+        assert torch.equal(out.hidden["a"], hidden[:6])
+        assert torch.equal(out.mm["codes"]["a"], codes)
+        cache.flush()
+        assert cache.stats().bytes_written == {"hidden": 6 * 2 * 4, "codes": 6 * 8}
+        cache.begin_step(StepEvents(new=[NewRequest("b", [0, 2], 4)]))
+        sid = cache.save(
+            torch.full((4, 2), 9.0),
+            {"codes": torch.tensor([7, 7, 0, 0])},
+            StepBatch(["b"], [2], np.array([8, 9]), 4),
+        )
+        out = cache.materialize(sid, ["b"])
+        assert torch.equal(out.hidden["b"][:4], hidden[:4])
+        assert torch.equal(out.mm["codes"]["b"], torch.tensor([100, 101, 102, 103, 7, 7]))
+        assert out.hidden["b"].shape == (6, 2), "never a padded or short tensor"

@@ -1,0 +1,164 @@
+"""Exactly-once step ids, the staging bound, and bad input that leaves the cache usable."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from cachekit import small_cache
+from omni_pcache import (
+    CacheClosedError,
+    CacheConfig,
+    ConfigError,
+    InvalidInputError,
+    NewRequest,
+    PrefixCache,
+    StagingTimeoutError,
+    StepBatch,
+    StepEvents,
+    StepIdError,
+)
+
+
+def save_one(cache, req="a", first_slot=0, n=2):
+    return cache.save(torch.ones(n, 2), {}, StepBatch([req], [n], np.arange(first_slot, first_slot + n)))
+
+
+def test_step_ids_consumed_out_of_order_and_from_another_thread() -> None:
+    with small_cache(staging_depth=3) as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2])]))
+        ids = [save_one(cache, first_slot=2 * i) for i in range(3)]
+        assert ids == sorted(ids)
+        outs = {}
+        t = threading.Thread(target=lambda: outs.update(last=cache.materialize(ids[2], ["a"])))
+        t.start()
+        t.join()
+        cache.discard(ids[0])
+        first = cache.materialize(ids[1], ["a"])
+        assert torch.equal(first.hidden["a"], torch.ones(2, 2))
+        assert torch.equal(outs["last"].hidden["a"], torch.ones(2, 2))
+        with pytest.raises(StepIdError, match=rf"step#{ids[1]} was already consumed") as err:
+            cache.materialize(ids[1], ["a"])
+        assert err.value.outstanding == []
+        with pytest.raises(StepIdError, match="step#99 was never issued"):
+            cache.discard(99)
+
+
+def test_full_staging_waits_then_raises_listing_unconsumed_ids() -> None:
+    with small_cache(staging_depth=2, claim_timeout_s=0.2) as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2])]))
+        ids = [save_one(cache, first_slot=0), save_one(cache, first_slot=2)]
+        with pytest.raises(
+            StagingTimeoutError, match=rf"2 step ids are unconsumed: \[{ids[0]}, {ids[1]}\]"
+        ) as err:
+            save_one(cache, first_slot=4)
+        assert err.value.unconsumed == ids
+        stats = cache.stats()
+        assert stats.num_waits == 1 and stats.wait_time_s >= 0.2
+        assert stats.steps_outstanding == ids, "the refused save left no step id behind"
+        # A consumer freeing a page from another thread lets a waiting save through.
+        timer = threading.Timer(0.05, cache.discard, args=(ids[0],))
+        timer.start()
+        third = save_one(cache, first_slot=4)
+        timer.join()
+        cache.discard(ids[1])
+        cache.discard(third)
+
+
+def test_waiting_save_succeeds_when_a_page_frees_in_time() -> None:
+    with small_cache(staging_depth=1, claim_timeout_s=10.0) as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        first = save_one(cache)
+        threading.Timer(0.05, cache.discard, args=(first,)).start()
+        second = save_one(cache, first_slot=2)
+        cache.discard(second)
+        assert cache.stats().num_waits == 1
+
+
+def test_oversized_step_and_foreign_request_ids_raise_and_change_nothing() -> None:
+    with small_cache(staging_capacity_tokens=8) as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2])]))
+        with pytest.raises(InvalidInputError, match="a step of 9 tokens exceeds staging_capacity_tokens=8"):
+            save_one(cache, n=9)
+        sid = save_one(cache, n=8)
+        with pytest.raises(InvalidInputError, match=r"requests \['zz'\] were not in step"):
+            cache.materialize(sid, ["a", "zz"])
+        out = cache.materialize(sid, ["a"])  # the refused call did not consume the id
+        assert out.hidden["a"].shape == (8, 2)
+
+
+@pytest.mark.parametrize(
+    ("batch", "message"),
+    [
+        (StepBatch(["a", "b"], [2], np.arange(2)), "2 req_ids but 1 num_scheduled_tokens"),
+        (StepBatch(["a", "a"], [1, 1], np.arange(2)), "req_ids has duplicates"),
+        (StepBatch(["a"], [-1], np.arange(2)), "num_scheduled_tokens of 'a' must be an int >= 0"),
+        (StepBatch(["a"], [2], np.arange(1)), "slot_mapping has 1 entries for 2 scheduled tokens"),
+        (StepBatch(["a"], [2], np.array([0, 64])), r"slot_mapping\[1\] = 64 is out of range \[0, 64\)"),
+        (StepBatch(["a"], [2], np.array([-3, 1])), r"slot_mapping\[0\] = -3 is out of range"),
+        (StepBatch(["a"], [2], np.array([0.0, 1.0])), "slot_mapping must be a 1-D integer array"),
+        (StepBatch(["a"], [2], np.arange(2), 1), "num_tokens_padded must be an int >= 2"),
+    ],
+)
+def test_bad_batches_raise_and_the_cache_stays_usable(batch, message) -> None:
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        with pytest.raises(InvalidInputError, match=message):
+            cache.save(torch.ones(2, 2), {}, batch)
+        assert cache.stats().steps_outstanding == []
+        out = cache.materialize(save_one(cache), ["a"])
+        assert torch.equal(out.hidden["a"], torch.ones(2, 2))
+
+
+@pytest.mark.parametrize(
+    ("events", "message"),
+    [
+        (
+            StepEvents(new=[NewRequest("a", [0, 1], 3)]),
+            "num_computed_tokens=3 is not a whole number of blocks",
+        ),
+        (StepEvents(new=[NewRequest("a", [0], 8)]), "num_computed_tokens=8 exceeds its 1 blocks of 4"),
+        (StepEvents(new=[NewRequest("a", [0, 16])]), r"block ids \[0, 16\] out of range \[0, 16\)"),
+        (StepEvents(new=[NewRequest("a", [0]), NewRequest("a", [1])]), "'a' is new twice"),
+        (StepEvents(new=["a"]), "StepEvents.new holds NewRequests, got str"),
+    ],
+)
+def test_bad_events_raise_and_change_nothing(events, message) -> None:
+    with small_cache() as cache:
+        with pytest.raises(InvalidInputError, match=message):
+            cache.begin_step(events)
+        assert (cache.stats().hits, cache.stats().misses) == (0, 0)
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        cache.discard(save_one(cache))
+
+
+def test_bad_hidden_raises() -> None:
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        with pytest.raises(InvalidInputError, match="hidden states are None"):
+            cache.save(None, {}, StepBatch(["a"], [2], np.arange(2)))
+        with pytest.raises(InvalidInputError, match=r"hidden states has shape \(3, 2\)"):
+            cache.save(torch.ones(3, 2), {}, StepBatch(["a"], [2], np.arange(2)))
+        with pytest.raises(InvalidInputError, match="mm must be a dict"):
+            cache.save(torch.ones(2, 2), [1], StepBatch(["a"], [2], np.arange(2)))
+        cache.discard(save_one(cache))
+
+
+def test_bad_config_raises_config_error() -> None:
+    with pytest.raises(ConfigError, match="num_blocks must be a positive int"):
+        CacheConfig(num_blocks=0, block_size=16)
+    with pytest.raises(ConfigError, match="claim_timeout_s must be a finite number"):
+        CacheConfig(num_blocks=1, block_size=16, claim_timeout_s=float("inf"))
+    with pytest.raises(ConfigError, match="config must be a CacheConfig"):
+        PrefixCache({"num_blocks": 1})
+
+
+def test_closed_cache_refuses_calls_and_close_is_idempotent() -> None:
+    cache = small_cache()
+    cache.close()
+    cache.close()
+    with pytest.raises(CacheClosedError):
+        cache.begin_step(StepEvents())

@@ -1,0 +1,92 @@
+"""Who does what: the committer thread writes the pool; save never waits for its copies;
+inline mode for debugging; stats and the host footprint."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from cachekit import small_cache
+from omni_pcache import NewRequest, StepBatch, StepEvents
+
+
+def recording_pool_writes(cache) -> list[str]:
+    names: list[str] = []
+    write = cache._pool.write
+
+    def record(*args):
+        names.append(threading.current_thread().name)
+        write(*args)
+
+    cache._pool.write = record
+    return names
+
+
+def test_the_committer_thread_writes_the_pool_and_save_does_not_wait_for_it() -> None:
+    with small_cache() as cache:
+        writers = recording_pool_writes(cache)
+        gate = threading.Event()
+        write = cache._writer.write
+        cache._writer.write = lambda record: (gate.wait(10), write(record))
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        sid = cache.save(torch.ones(4, 2), {}, StepBatch(["a"], [4], np.arange(4)))
+        # save returned while its write is blocked on the committer thread
+        assert writers == []
+        out = cache.materialize(sid, ["a"])  # this step's own rows come from staging
+        assert torch.equal(out.hidden["a"], torch.ones(4, 2))
+        gate.set()
+        cache.flush()
+        assert writers == ["omni-pcache-committer"]
+
+
+def test_threaded_false_writes_inline_on_the_engine_thread() -> None:
+    with small_cache(threaded=False) as cache:
+        writers = recording_pool_writes(cache)
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        cache.discard(cache.save(torch.ones(4, 2), {}, StepBatch(["a"], [4], np.arange(4))))
+        assert writers == [threading.current_thread().name]
+
+
+def test_stats_count_hits_rows_bytes_and_holders() -> None:
+    with small_cache(staging_depth=2) as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        mm = {"codes": torch.arange(8, dtype=torch.int32)}
+        first = cache.save(torch.ones(8, 3), mm, StepBatch(["a"], [8], np.arange(8)))
+        stats = cache.stats()
+        assert stats.steps_outstanding == [first]
+        assert ("step", first) in stats.staging_holders[0]
+        cache.materialize(first, ["a"])
+        cache.flush()
+        cache.begin_step(StepEvents(new=[NewRequest("b", [0, 2], 4)], finished=["a"]))
+        mm = {"codes": torch.arange(2, dtype=torch.int32)}
+        cache.materialize(cache.save(torch.ones(2, 3), mm, StepBatch(["b"], [2], np.array([8, 9]))), ["b"])
+        cache.flush()
+        stats = cache.stats()
+        assert (stats.hits, stats.misses) == (1, 1)
+        assert stats.rows_from_pool == 8 and stats.rows_in_flight == 0 and stats.rows_preserved == 0
+        assert stats.bytes_written == {"hidden": 10 * 3 * 4, "codes": 10 * 4}
+        assert stats.pool_bytes == {"hidden": 64 * 3 * 4, "codes": 64 * 4}
+        assert stats.staging_holders == [[], []]
+        assert stats.steps_outstanding == []
+
+
+def test_pool_storage_is_allocated_on_first_sight_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="omni_pcache")
+    with small_cache(num_blocks=8, block_size=4) as cache:
+        assert cache.stats().pool_bytes == {}
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2])]))
+        for i in range(3):
+            mm = {"audio": torch.zeros(2, 4, 2, dtype=torch.bfloat16)}
+            cache.discard(
+                cache.save(torch.zeros(2, 5), mm, StepBatch(["a"], [2], np.arange(2 * i, 2 * i + 2)))
+            )
+        assert cache.stats().pool_bytes == {"hidden": 32 * 5 * 4, "audio": 32 * 8 * 2}
+    pool_logs = [r.getMessage() for r in caplog.records if "host pool" in r.getMessage()]
+    assert pool_logs == [
+        "host pool for 'hidden' rows (5,) float32: 32 slots, 0.0 MiB",
+        "host pool for 'audio' rows (4, 2) bfloat16: 32 slots, 0.0 MiB",
+    ]
