@@ -27,49 +27,54 @@ def median_time(fn, repeat: int = 20) -> float:
     return statistics.median(times)
 
 
+def measure(tokens: int, width: int = 2048) -> dict[str, float]:
+    """One size: raw pinned copy vs the cache's save path for a bf16 step of ``tokens`` rows."""
+    hidden = torch.randn(tokens, width, dtype=torch.bfloat16, device="cuda")
+    nbytes = hidden.numel() * hidden.element_size()
+    pinned = torch.empty(tokens, width, dtype=torch.bfloat16, pin_memory=True)
+    raw = median_time(lambda: pinned.copy_(hidden, non_blocking=True))
+    blocks_per_step = tokens // 16
+    config = CacheConfig(num_blocks=4096, block_size=16, staging_depth=4, staging_capacity_tokens=8192)
+    engine_s: list[float] = []
+    counter = iter(range(10**9))
+    with PrefixCache(config) as cache:
+
+        def one_step() -> None:
+            i = next(counter)
+            first_block = (i * blocks_per_step) % (4096 - blocks_per_step)
+            blocks = list(range(first_block, first_block + blocks_per_step))
+            cache.begin_step(StepEvents(new=[NewRequest(f"r{i}", blocks)], finished=[f"r{i - 1}"]))
+            slots = (np.asarray(blocks)[:, None] * 16 + np.arange(16)).reshape(-1)
+            t0 = time.perf_counter()
+            sid = cache.save(hidden, {}, StepBatch([f"r{i}"], [tokens], slots))
+            engine_s.append(time.perf_counter() - t0)
+            cache.discard(sid)
+            cache.flush()
+
+        one_step()  # allocates the pinned pool and pages
+        engine_s.clear()
+        step = median_time(one_step)
+    return {
+        "tokens": tokens,
+        "bytes": nbytes,
+        "raw_pinned_copy_gbps": nbytes / raw / 1e9,
+        "save_step_gbps": nbytes / step / 1e9,
+        "engine_thread_save_us": statistics.median(engine_s) * 1e6,
+    }
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("copy_check: no CUDA device; nothing to measure")
         return 0
     results = []
-    width = 2048
     for tokens in (512, 2048, 8192):
-        hidden = torch.randn(tokens, width, dtype=torch.bfloat16, device="cuda")
-        nbytes = hidden.numel() * hidden.element_size()
-        pinned = torch.empty(tokens, width, dtype=torch.bfloat16, pin_memory=True)
-        raw = median_time(lambda: pinned.copy_(hidden, non_blocking=True))
-        config = CacheConfig(num_blocks=4096, block_size=16, staging_depth=4, staging_capacity_tokens=8192)
-        with PrefixCache(config) as cache:
-            state = {"next": 0}
-
-            def one_step():
-                i = state["next"]
-                state["next"] += 1
-                req = f"r{i}"
-                first_block = (i * (tokens // 16)) % (4096 - tokens // 16)
-                blocks = list(range(first_block, first_block + tokens // 16))
-                cache.begin_step(StepEvents(new=[NewRequest(req, blocks)], finished=[f"r{i - 1}"]))
-                slots = (np.asarray(blocks)[:, None] * 16 + np.arange(16)).reshape(-1)
-                t0 = time.perf_counter()
-                sid = cache.save(hidden, {}, StepBatch([req], [tokens], slots))
-                state["engine_s"] = time.perf_counter() - t0
-                cache.discard(sid)
-                cache.flush()
-
-            one_step()  # allocate pinned pool and pages
-            engine = []
-            save_total = median_time(lambda: (one_step(), engine.append(state["engine_s"])))
-        row = {
-            "tokens": tokens,
-            "bytes": nbytes,
-            "raw_pinned_copy_gbps": nbytes / raw / 1e9,
-            "save_step_gbps": nbytes / save_total / 1e9,
-            "engine_thread_save_us": statistics.median(engine) * 1e6,
-        }
+        row = measure(tokens)
         results.append(row)
         print(
             f"{tokens:>5} tokens: raw pinned copy {row['raw_pinned_copy_gbps']:.1f} GB/s, "
-            f"save step {row['save_step_gbps']:.1f} GB/s, engine-thread save {row['engine_thread_save_us']:.0f} us"
+            f"save step {row['save_step_gbps']:.1f} GB/s, "
+            f"engine-thread save {row['engine_thread_save_us']:.0f} us"
         )
     out = Path(__file__).parent / "results" / "copy_check.json"
     out.parent.mkdir(exist_ok=True)

@@ -354,6 +354,8 @@ def run_engine_and_late_consumer(num_steps: int, seed: int) -> tuple[PrefixCache
                 break
             events, batch, hidden, mm, req_ids, expected = engine.step(step)
             cache.begin_step(events)
+            if not req_ids:
+                continue  # nothing scheduled: the engine runs no forward and saves nothing
             step_id = cache.save(hidden, mm, batch)
             handoff.put(SavedStep(step_id, step, req_ids, expected, discard=rng.random() < 0.04))
     finally:
