@@ -17,7 +17,7 @@ setup:
 
 # Build the native module into .venv (debug build; fast to compile).
 develop:
-    maturin develop --quiet
+    maturin develop --quiet --release
 
 # Run every test: Rust unit/property tests, then the Python suite (slow cases excluded).
 test: setup

@@ -29,10 +29,21 @@ def _int(value: object, what: str, minimum: int = 0) -> int:
     return int(value)
 
 
-def hit_slots(block_ids, num_computed: int, block_size: int) -> np.ndarray:
+def hit_slots(blocks: np.ndarray, num_computed: int, block_size: int) -> np.ndarray:
     """Slot ids of positions ``[0, num_computed)`` of a request with this block table."""
-    blocks = np.asarray(block_ids, dtype=np.int64)[: num_computed // block_size]
+    blocks = blocks[: num_computed // block_size]
     return (blocks[:, None] * block_size + np.arange(block_size, dtype=np.int64)).reshape(-1)
+
+
+def _block_ids(req, num_blocks: int) -> np.ndarray:
+    blocks = np.asarray(req.block_ids)
+    if blocks.size == 0:
+        return blocks.astype(np.int64)
+    if blocks.ndim != 1 or not np.issubdtype(blocks.dtype, np.integer):
+        raise InvalidInputError(f"{req.req_id!r}: block_ids must be a list of ints, got {list(req.block_ids)!r}")
+    if blocks.min() < 0 or blocks.max() >= num_blocks:
+        raise InvalidInputError(f"{req.req_id!r}: block ids {blocks.tolist()} out of range [0, {num_blocks})")
+    return blocks.astype(np.int64, copy=False)
 
 
 def check_events(events: StepEvents, config: CacheConfig) -> dict[str, np.ndarray | None]:
@@ -45,11 +56,7 @@ def check_events(events: StepEvents, config: CacheConfig) -> dict[str, np.ndarra
             if not isinstance(req, cls):
                 raise InvalidInputError(f"StepEvents.{kind} holds {cls.__name__}s, got {type(req).__name__}")
             computed = _int(req.num_computed_tokens, f"{req.req_id!r}: num_computed_tokens")
-            blocks = [_int(b, f"{req.req_id!r}: block id") for b in req.block_ids]
-            if any(b >= config.num_blocks for b in blocks):
-                raise InvalidInputError(
-                    f"{req.req_id!r}: block ids {blocks} out of range [0, {config.num_blocks})"
-                )
+            blocks = _block_ids(req, config.num_blocks)
             if kind == "new":
                 if computed % config.block_size:
                     raise InvalidInputError(

@@ -1,0 +1,111 @@
+"""Engine-thread cost of the cache on CPU: begin_step + save bookkeeping for 8 requests x 64
+tokens, and a large save against one memcpy of the same bytes.
+
+Run: `.venv/bin/python benches/save_overhead.py` (or `just bench-py`). Prints a table and
+writes benches/results/save_overhead.json. Medians over many steps; nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from omni_pcache import CacheConfig, NewRequest, PrefixCache, StepBatch, StepEvents
+
+BLOCK = 16
+
+
+def engine_thread_step_us(num_reqs: int, tokens: int, width: int, dtype: torch.dtype, steps: int) -> float:
+    """Median µs of begin_step + save per step (materialize runs on the same thread but is not
+    timed); every other step's new requests hit the previous step's blocks."""
+    blocks_per_req = tokens // BLOCK
+    num_blocks = 4096
+    config = CacheConfig(
+        num_blocks=num_blocks, block_size=BLOCK, staging_depth=4, staging_capacity_tokens=8192
+    )
+    hidden = torch.randn(num_reqs * tokens, width).to(dtype)
+    times = []
+    with PrefixCache(config) as cache:
+        prev: list[tuple[str, list[int]]] = []
+        for step in range(steps):
+            base = (step * num_reqs * blocks_per_req) % (num_blocks - num_reqs * blocks_per_req)
+            reqs = []
+            new = []
+            for r in range(num_reqs):
+                blocks = list(range(base + r * blocks_per_req, base + (r + 1) * blocks_per_req))
+                req_id = f"s{step}r{r}"
+                hit = 0
+                if prev and r % 2 == 0:  # half the requests hit their predecessor's first block
+                    blocks = [prev[r][1][0], *blocks[1:]]
+                    hit = BLOCK
+                new.append(NewRequest(req_id, blocks, hit))
+                reqs.append((req_id, blocks, hit))
+            slots = np.concatenate(
+                [
+                    (np.asarray(b)[:, None] * BLOCK + np.arange(BLOCK)).reshape(-1)[h : h + tokens - h]
+                    for _, b, h in reqs
+                ]
+            )
+            counts = [tokens - h for _, _, h in reqs]
+            n = sum(counts)
+            events = StepEvents(new=new, finished=[r for r, _ in prev])
+            batch = StepBatch([r for r, _, _ in reqs], counts, slots)
+            t0 = time.perf_counter()
+            cache.begin_step(events)
+            sid = cache.save(hidden[:n], {}, batch)
+            times.append(time.perf_counter() - t0)
+            cache.materialize(sid, [r for r, _, _ in reqs])
+            prev = [(r, b) for r, b, _ in reqs]
+        cache.flush()
+    return statistics.median(times[steps // 10 :]) * 1e6
+
+
+def memcpy_us(tokens: int, width: int, dtype: torch.dtype, repeat: int = 30) -> float:
+    src = torch.randn(tokens, width).to(dtype)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "save_overhead.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = []
+    for label, width, dtype in (
+        ("bookkeeping (width 64 fp32)", 64, torch.float32),
+        ("bf16 width 2048", 2048, torch.bfloat16),
+    ):
+        us = engine_thread_step_us(8, 64, width, dtype, args.steps)
+        rows.append({"case": f"8 req x 64 tok, {label}", "engine_thread_us": us})
+    big_steps = max(20, args.steps // 10)
+    big = engine_thread_step_us(1, 8192, 2048, torch.bfloat16, big_steps)
+    copy = memcpy_us(8192, 2048, torch.bfloat16)
+    rows.append({"case": "1 req x 8192 tok, bf16 width 2048", "engine_thread_us": big, "memcpy_us": copy})
+    for row in rows:
+        extra = (
+            f"  (one memcpy {row['memcpy_us']:.0f} us, ratio {row['engine_thread_us'] / row['memcpy_us']:.2f}x)"
+            if "memcpy_us" in row
+            else ""
+        )
+        print(f"{row['case']:<45} begin_step+save {row['engine_thread_us']:>9.1f} us{extra}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    machine = f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} torch thread(s)"
+    args.out.write_text(json.dumps({"machine": machine, "results": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
