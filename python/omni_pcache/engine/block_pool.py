@@ -1,0 +1,73 @@
+"""A KV block pool with vLLM's prefix-caching rules.
+
+Full blocks are identified by their chained block hash. A block whose last user frees it
+stays cached: it goes to the tail of an LRU free queue and can still be hit until the pool
+hands it out again, which evicts its hash (the block gets a new tenant). Requests free their
+blocks tail first, so a prompt's leading blocks are evicted last.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class BlockPool:
+    """Block allocation, reference counts, the LRU free queue and the hash -> block map."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._refs = [0] * num_blocks
+        self._hash_of: dict[int, int] = {}
+        self._block_of: dict[int, int] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def is_free(self, block: int) -> bool:
+        """Whether no request holds ``block`` (it may still be cached)."""
+        return self._refs[block] == 0
+
+    def cached_block(self, block_hash: int) -> int | None:
+        """The block holding ``block_hash``, if still cached."""
+        return self._block_of.get(block_hash)
+
+    def touch(self, blocks: list[int]) -> None:
+        """Takes a reference on hit blocks (removing free ones from the free queue)."""
+        for b in blocks:
+            if self._refs[b] == 0:
+                del self._free[b]
+            self._refs[b] += 1
+
+    def allocate(self, count: int) -> list[int] | None:
+        """``count`` fresh blocks from the head of the free queue (evicting their hashes), or
+        ``None`` if there are not enough."""
+        if count > len(self._free):
+            return None
+        out = []
+        for _ in range(count):
+            block, _ = self._free.popitem(last=False)
+            old = self._hash_of.pop(block, None)
+            if old is not None:
+                if self._block_of.get(old) == block:
+                    del self._block_of[old]
+                self.num_evictions += 1
+            self._refs[block] = 1
+            out.append(block)
+        return out
+
+    def free(self, blocks: list[int]) -> None:
+        """Drops one reference on each block, tail first; unreferenced blocks stay cached."""
+        for b in reversed(blocks):
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free[b] = None
+
+    def cache_block(self, block: int, block_hash: int) -> None:
+        """Publishes a full block under its hash (the first block with a hash keeps it)."""
+        if block in self._hash_of:
+            return
+        self._hash_of[block] = block_hash
+        self._block_of.setdefault(block_hash, block)

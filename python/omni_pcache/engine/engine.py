@@ -1,0 +1,257 @@
+"""`Engine`: the embedded stand-in for a vLLM v1 engine, with or without the omni cache.
+
+Each step: abort what is due, schedule, tell the cache (`begin_step`), run the model on the
+scheduled tokens only, `save` its outputs, and hand the *previous* step's id to the output
+path (`materialize` one step late, like vLLM's async scheduling; optionally on its own
+thread). With prefix caching off (the reference) no cache is used: every token is computed
+and its rows are recorded by position.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from omni_pcache.cache import PrefixCache
+from omni_pcache.config import CacheConfig, CachePolicy
+from omni_pcache.engine.kv_manager import KVCacheManager
+from omni_pcache.engine.model import ForwardBatch, PrefixHashModel, TinyTransformer
+from omni_pcache.engine.request import Request, Status
+from omni_pcache.engine.scheduler import ScheduledStep, Scheduler
+from omni_pcache.events import NewRequest, ResumedRequest, StepBatch, StepEvents
+from omni_pcache.stats import CacheStats
+
+MODELS = ("transformer", "prefix-hash")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Sizes and modes of one engine run."""
+
+    num_blocks: int = 512
+    block_size: int = 16
+    max_num_batched_tokens: int = 256
+    max_num_running: int = 16
+    long_prefill_tokens: int | None = 96
+    enable_prefix_caching: bool = True
+    model: str = "transformer"
+    output_thread: bool = False
+    seed: int = 0
+    max_steps: int = 100_000
+
+
+@dataclass
+class RequestOutput:
+    """Everything the output path received for one request, in order."""
+
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    proj: list[torch.Tensor] = field(default_factory=list)
+    leftover_seen: int = 0
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.cat(self.hidden), torch.cat(self.proj)
+
+
+@dataclass
+class EngineResult:
+    """A run's outputs and counters."""
+
+    outputs: dict[str, RequestOutput]
+    requests: dict[str, Request]
+    steps: int
+    tokens_computed: int
+    hit_tokens: int
+    preemptions: int
+    evictions: int
+    wall_s: float
+    cache_stats: CacheStats | None
+
+
+class Engine:
+    """Runs a workload to completion. Not reusable: build one per run."""
+
+    def __init__(self, config: EngineConfig, cache_config: CacheConfig | None = None) -> None:
+        if config.model not in MODELS:
+            raise ValueError(f"unknown model {config.model!r}; choose from {', '.join(MODELS)}")
+        self.config = config
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_batched_tokens, config.max_num_running, config.long_prefill_tokens
+        )
+        num_slots = config.num_blocks * config.block_size
+        if config.model == "transformer":
+            self.model = TinyTransformer(num_slots, config.block_size, seed=config.seed)
+        else:
+            self.model = PrefixHashModel(num_slots, config.block_size, seed=config.seed)
+        self.cache: PrefixCache | None = None
+        if config.enable_prefix_caching:
+            cache_config = cache_config or CacheConfig(
+                num_blocks=config.num_blocks,
+                block_size=config.block_size,
+                staging_capacity_tokens=config.max_num_batched_tokens,
+                claim_timeout_s=60.0,
+            )
+            self.cache = PrefixCache(cache_config, CachePolicy(token_keys=frozenset({"proj"})))
+        self.outputs: dict[str, RequestOutput] = {}
+        self._reference_rows: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._lock = threading.Lock()
+        self._errors: list[BaseException] = []
+
+    # ---- output path -------------------------------------------------------------------
+
+    def _consume(self, step_id: int, req_ids: list[str]) -> None:
+        assert self.cache is not None
+        out = self.cache.materialize(step_id, req_ids)
+        with self._lock:
+            for req_id in req_ids:
+                rec = self.outputs.setdefault(req_id, RequestOutput())
+                rec.hidden.append(out.hidden[req_id])
+                rec.proj.append(out.mm["proj"][req_id])
+                rec.leftover_seen += 1
+
+    def _output_worker(self, inbox: queue.Queue) -> None:
+        while (item := inbox.get()) is not None:
+            try:
+                self._consume(*item)
+            except BaseException as exc:
+                self._errors.append(exc)
+                return
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def _forward_batch(self, sched: ScheduledStep) -> ForwardBatch:
+        tokens, positions, slots, reqs = [], [], [], []
+        row = 0
+        bs = self.config.block_size
+        for req, count in sched.scheduled:
+            pos = np.arange(req.num_computed, req.num_computed + count)
+            table = np.asarray(req.blocks, dtype=np.int64)
+            tokens.extend(req.tokens[req.num_computed : req.num_computed + count])
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            reqs.append((row, count, list(req.blocks), req.num_computed + count))
+            row += count
+        return ForwardBatch(
+            torch.tensor(tokens, dtype=torch.int64),
+            torch.from_numpy(np.concatenate(positions)),
+            np.concatenate(slots).astype(np.int64),
+            reqs,
+        )
+
+    def _record_reference(self, sched: ScheduledStep, hidden: torch.Tensor, proj: torch.Tensor) -> None:
+        row = 0
+        for req, count in sched.scheduled:
+            rows = self._reference_rows.setdefault(req.req_id, {})
+            for i in range(count):
+                rows.setdefault(req.num_computed + i, (hidden[row + i], proj[row + i]))
+            row += count
+
+    def run(self, requests: list[Request], progress: Callable[[int, int], None] | None = None) -> EngineResult:
+        """Runs every request to completion (or abort). ``progress(done, total)`` is called
+        after each step."""
+        by_arrival = sorted(requests, key=lambda r: r.arrival_step)
+        pending = list(by_arrival)
+        aborts: dict[int, list[Request]] = {}
+        for req in requests:
+            if req.abort_step is not None:
+                aborts.setdefault(req.abort_step, []).append(req)
+        inbox: queue.Queue | None = None
+        worker = None
+        if self.cache is not None and self.config.output_thread:
+            inbox = queue.Queue()
+            worker = threading.Thread(target=self._output_worker, args=(inbox,), name="engine-output")
+            worker.start()
+        previous: tuple[int, list[str]] | None = None
+        tokens_computed = 0
+        start = time.perf_counter()
+        step = 0
+        try:
+            while (pending or self.scheduler.has_work) and step < self.config.max_steps:
+                while pending and pending[0].arrival_step <= step:
+                    self.scheduler.add(pending.pop(0))
+                for req in aborts.pop(step, []):
+                    self.scheduler.abort(req)
+                sched = self.scheduler.schedule(step)
+                if self.cache is not None and (sched.scheduled or sched.finished):
+                    self.cache.begin_step(
+                        StepEvents(
+                            new=[NewRequest(r, b, n) for r, b, n in sched.new],
+                            resumed=[ResumedRequest(r, b, n) for r, b, n in sched.resumed],
+                            finished=sched.finished,
+                        )
+                    )
+                if sched.scheduled:
+                    batch = self._forward_batch(sched)
+                    out = self.model.forward(batch)
+                    tokens_computed += sched.num_tokens
+                    if self.cache is not None:
+                        step_batch = StepBatch(
+                            [r.req_id for r, _ in sched.scheduled],
+                            [n for _, n in sched.scheduled],
+                            batch.slot_mapping,
+                        )
+                        step_id = self.cache.save(out.hidden, out.mm, step_batch)
+                        if previous is not None:
+                            self._hand_off(previous, inbox)
+                        previous = (step_id, step_batch.req_ids)
+                    else:
+                        self._record_reference(sched, out.hidden, out.mm["proj"])
+                    self.scheduler.update(sched)
+                step += 1
+                if self._errors:
+                    raise self._errors[0]
+                if progress is not None:
+                    progress(sum(1 for r in requests if r.is_done), len(requests))
+            if previous is not None:
+                self._hand_off(previous, inbox)
+        finally:
+            if inbox is not None and worker is not None:
+                inbox.put(None)
+                worker.join()
+        if self._errors:
+            raise self._errors[0]
+        stats = None
+        if self.cache is not None:
+            self.cache.flush()
+            stats = self.cache.stats()
+            self.cache.close()
+        wall = time.perf_counter() - start
+        if self.cache is None:
+            self._outputs_from_reference()
+        return EngineResult(
+            outputs=self.outputs,
+            requests={r.req_id: r for r in requests},
+            steps=step,
+            tokens_computed=tokens_computed,
+            hit_tokens=self.scheduler.num_hit_tokens,
+            preemptions=self.scheduler.num_preemptions,
+            evictions=self.kv.pool.num_evictions,
+            wall_s=wall,
+            cache_stats=stats,
+        )
+
+    def _hand_off(self, item: tuple[int, list[str]], inbox: queue.Queue | None) -> None:
+        if inbox is None:
+            self._consume(*item)
+        else:
+            inbox.put(item)
+
+    def _outputs_from_reference(self) -> None:
+        for req_id, rows in self._reference_rows.items():
+            positions = sorted(rows)
+            assert positions == list(range(len(positions))), f"{req_id}: gap in reference rows"
+            rec = RequestOutput()
+            rec.hidden.append(torch.stack([rows[p][0] for p in positions]))
+            rec.proj.append(torch.stack([rows[p][1] for p in positions]))
+            self.outputs[req_id] = rec
+
+
+def unfinished(result: EngineResult) -> list[str]:
+    """Requests neither finished nor aborted (the run hit ``max_steps``)."""
+    return [r for r, req in result.requests.items() if req.status not in (Status.FINISHED, Status.ABORTED)]
