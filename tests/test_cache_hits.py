@@ -38,6 +38,7 @@ def test_hit_gets_cached_prefix_then_step_rows_and_miss_gets_step_rows() -> None
     with small_cache() as cache:
         sid = run_step(cache, [NewRequest("a", [0, 1, 2])], reqs=[("a", [0, 1, 2], 0, 10, 1)])
         expect(cache.materialize(sid, ["a"]), "a", [(1, 0, 10)])
+        cache.flush()  # a's rows are in the pool before b's hit is planned
         sid = run_step(
             cache,
             [NewRequest("b", [0, 1, 5], 8), NewRequest("c", [6, 7])],
@@ -57,9 +58,7 @@ def test_partial_match_writes_its_divergent_block_without_touching_the_earlier_r
         sid = run_step(cache, [NewRequest("a", [0, 1, 2])], reqs=[("a", [0, 1, 2], 0, 12, 1)])
         cache.materialize(sid, ["a"])
         finished = ["a"] if earlier_finished else []
-        sid = run_step(
-            cache, [NewRequest("b", [0, 1, 3], 8)], finished=finished, reqs=[("b", [0, 1, 3], 8, 4, 2)]
-        )
+        sid = run_step(cache, [NewRequest("b", [0, 1, 3], 8)], finished=finished, reqs=[("b", [0, 1, 3], 8, 4, 2)])
         expect(cache.materialize(sid, ["b"]), "b", [(1, 0, 8), (2, 8, 4)])
         # A third request sharing all three of a's blocks still reads a's rows, and one sharing
         # b's third block reads b's.
@@ -100,9 +99,7 @@ def test_a_late_read_of_a_reused_block_serves_the_old_tenant_from_a_preserved_co
     with small_cache() as cache:
         cache.materialize(run_step(cache, [NewRequest("a", [0, 1])], reqs=[("a", [0, 1], 0, 8, 1)]), ["a"])
         # b hits a's block 0 in step 1; step 1 is materialized only after step 2 reused block 0.
-        hit_step = run_step(
-            cache, [NewRequest("b", [0, 2], 4)], finished=["a"], reqs=[("b", [0, 2], 4, 3, 2)]
-        )
+        hit_step = run_step(cache, [NewRequest("b", [0, 2], 4)], finished=["a"], reqs=[("b", [0, 2], 4, 3, 2)])
         reuse_step = run_step(cache, [NewRequest("c", [0, 3])], finished=["b"], reqs=[("c", [0, 3], 0, 5, 3)])
         result = {}
         t = threading.Thread(target=lambda: result.update(out=cache.materialize(hit_step, ["b"])))
@@ -143,9 +140,7 @@ def test_a_late_read_of_a_block_reused_while_its_write_was_in_flight() -> None:
 def test_no_preserved_copy_raises_unservable_hit() -> None:
     with small_cache(max_preserved_rows=0) as cache:
         cache.materialize(run_step(cache, [NewRequest("a", [0, 1])], reqs=[("a", [0, 1], 0, 8, 1)]), ["a"])
-        hit_step = run_step(
-            cache, [NewRequest("b", [0, 2], 4)], finished=["a"], reqs=[("b", [0, 2], 4, 3, 2)]
-        )
+        hit_step = run_step(cache, [NewRequest("b", [0, 2], 4)], finished=["a"], reqs=[("b", [0, 2], 4, 3, 2)])
         reuse_step = run_step(cache, [NewRequest("c", [0, 3])], reqs=[("c", [0, 3], 0, 5, 3)])
         with pytest.raises(UnservableHitError, match=r"overwritten by a newer tenant.*no copy was preserved"):
             cache.materialize(hit_step, ["b"])

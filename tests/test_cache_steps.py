@@ -51,9 +51,7 @@ def test_full_staging_waits_then_raises_listing_unconsumed_ids() -> None:
     with small_cache(staging_depth=2, claim_timeout_s=0.2) as cache:
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2])]))
         ids = [save_one(cache, first_slot=0), save_one(cache, first_slot=2)]
-        with pytest.raises(
-            StagingTimeoutError, match=rf"2 step ids are unconsumed: \[{ids[0]}, {ids[1]}\]"
-        ) as err:
+        with pytest.raises(StagingTimeoutError, match=rf"2 step ids are unconsumed: \[{ids[0]}, {ids[1]}\]") as err:
             save_one(cache, first_slot=4)
         assert err.value.unconsumed == ids
         stats = cache.stats()
@@ -122,7 +120,7 @@ def test_bad_batches_raise_and_the_cache_stays_usable(batch, message) -> None:
         ),
         (StepEvents(new=[NewRequest("a", [0], 8)]), "num_computed_tokens=8 exceeds its 1 blocks of 4"),
         (StepEvents(new=[NewRequest("a", [0, 16])]), r"block ids \[0, 16\] out of range \[0, 16\)"),
-        (StepEvents(new=[NewRequest("a", [0]), NewRequest("a", [1])]), "'a' is new twice"),
+        (StepEvents(new=[NewRequest("a", [0]), NewRequest("a", [1])]), "'a' is scheduled twice in one step"),
         (StepEvents(new=["a"]), "StepEvents.new holds NewRequests, got str"),
     ],
 )

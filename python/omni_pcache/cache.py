@@ -22,13 +22,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from omni_pcache._native import Ledger, StagingSlots, StepIds, WriteTasks
 from omni_pcache.committer import Committer
 from omni_pcache.config import HIDDEN, CacheConfig, CachePolicy
 from omni_pcache.copy_engine import CopyEngine, CopyHandle
+from omni_pcache.delivery import DeliveryTracker
 from omni_pcache.errors import (
     CacheClosedError,
     ConfigError,
@@ -59,7 +59,7 @@ class StepRecord:
     handle: CopyHandle
     n: int
     n_padded: int
-    rows: dict[str, tuple[int, int]]  # req_id -> (first row in the page, row count)
+    rows: dict[str, tuple[int, int, int]]  # req_id -> (first row in the page, rows, rows not returned)
     keys: list[str]
     hits: dict[str, HitRead]
     leftover: dict[str, Any]
@@ -99,7 +99,7 @@ class PrefixCache:
         )
         self._records: dict[int, WriteRecord] = {}
         self._req_tasks: dict[str, set[int]] = {}
-        self._pending_hits: dict[str, np.ndarray] = {}
+        self._delivery = DeliveryTracker(config.block_size)
         self._step_records: dict[int, StepRecord] = {}
         self._failure: WriteFailedError | None = None
         self._closed = False
@@ -154,24 +154,24 @@ class PrefixCache:
     def begin_step(self, events: StepEvents) -> None:
         """Registers this step's events (engine thread, once per step, before the forward).
 
-        New requests with ``num_computed_tokens > 0`` register a hit span (planned at save);
-        writes of finished or aborted requests go to the front of the copy queue.
+        A new request with ``num_computed_tokens > 0`` registers a hit span, read at its first
+        save. A resumed request, or a live one continued as new, gets exactly the rows its
+        consumer has not received (see `omni_pcache.delivery`). Writes of finished or aborted
+        requests go to the front of the copy queue.
         """
         self._check_usable()
-        new_hits = check_events(events, self._config)
+        scheduled = check_events(events, self._config, self._delivery.is_live)
         self._copies.fence()
         self._reap_completions()
         for req_id in events.finished:
-            self._pending_hits.pop(req_id, None)
+            self._delivery.finish(req_id)
             for task_id in sorted(self._req_tasks.pop(req_id, ())):
                 self._tasks.escalate(task_id)
-        for req_id, slots in new_hits.items():
-            if slots is None:
-                self._pending_hits.pop(req_id, None)
-                self._counters.add(misses=1)
-            else:
-                self._pending_hits[req_id] = slots
-                self._counters.add(hits=1)
+        for req in scheduled:
+            fresh = not self._delivery.is_live(req.req_id)
+            self._delivery.schedule(req.req_id, req.blocks, req.num_computed)
+            if fresh:
+                self._counters.add(**({"hits": 1} if req.num_computed else {"misses": 1}))
 
     def save(self, hidden: torch.Tensor | None, mm: dict[str, Any] | None, batch: StepBatch) -> int:
         """Saves one step's outputs and returns its step id (engine thread, after the forward).
@@ -202,13 +202,15 @@ class PrefixCache:
             rows = self._pool.read(spec.name, torch.tensor(slots, dtype=torch.int64))
             self._preserved.fill(spec.name, slots, versions, rows)
         with self._cond:
-            hits = {
-                req_id: self._reader.plan(req_id, self._pending_hits.pop(req_id), specs)
-                for req_id in shape.rows
-                if req_id in self._pending_hits
-            }
+            rows: dict[str, tuple[int, int, int]] = {}
+            hits: dict[str, HitRead] = {}
+            for req_id, (start, count) in shape.rows.items():
+                drop, read = self._delivery.take(req_id, count)
+                rows[req_id] = (start, count, drop)
+                if read is not None:
+                    hits[req_id] = self._reader.plan(req_id, read, specs)
             self._step_records[step_id] = StepRecord(
-                step_id, page, handle, shape.n, shape.n_padded, shape.rows, list(cached), hits, kept_leftover
+                step_id, page, handle, shape.n, shape.n_padded, rows, list(cached), hits, kept_leftover
             )
         for record in records:
             self._tasks.enqueue(record.task_id)
@@ -355,8 +357,7 @@ class PrefixCache:
                 if remaining <= 0:
                     states = {t: self._tasks.state(t) for t in open_ids}
                     err = WriteTimeoutError(
-                        f"write tasks not in the pool after {time.monotonic() - start:.3g} s "
-                        f"(task id: state): {states}"
+                        f"write tasks not in the pool after {time.monotonic() - start:.3g} s (task id: state): {states}"
                     )
                     err.states = states
                     raise err
@@ -402,9 +403,9 @@ class PrefixCache:
             mm: dict[str, dict[str, Any]] = {name: {} for name in record.keys if name != HIDDEN}
             mm.update({name: {} for name in record.leftover})
             for req_id in req_ids:
-                start, count = record.rows[req_id]
+                start, count, drop = record.rows[req_id]
                 rows = {
-                    name: self._pages.page(name, record.page)[start : start + count].clone()
+                    name: self._pages.page(name, record.page)[start + drop : start + count].clone()
                     for name in record.keys
                 }
                 hit = record.hits.get(req_id)

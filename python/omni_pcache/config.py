@@ -53,15 +53,11 @@ class CacheConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"CacheConfig.{name} must be an int >= 0, got {value!r}")
         if not (isinstance(self.claim_timeout_s, int | float) and math.isfinite(self.claim_timeout_s)):
-            raise ConfigError(
-                f"CacheConfig.claim_timeout_s must be a finite number, got {self.claim_timeout_s!r}"
-            )
+            raise ConfigError(f"CacheConfig.claim_timeout_s must be a finite number, got {self.claim_timeout_s!r}")
         if self.claim_timeout_s < 0:
             raise ConfigError(f"CacheConfig.claim_timeout_s must be >= 0, got {self.claim_timeout_s!r}")
         if self.num_blocks * self.block_size >= 2**32:
-            raise ConfigError(
-                f"num_blocks * block_size = {self.num_blocks * self.block_size} slots exceeds 2**32 - 1"
-            )
+            raise ConfigError(f"num_blocks * block_size = {self.num_blocks * self.block_size} slots exceeds 2**32 - 1")
 
     @property
     def num_slots(self) -> int:

@@ -29,12 +29,6 @@ def _int(value: object, what: str, minimum: int = 0) -> int:
     return int(value)
 
 
-def hit_slots(blocks: np.ndarray, num_computed: int, block_size: int) -> np.ndarray:
-    """Slot ids of positions ``[0, num_computed)`` of a request with this block table."""
-    blocks = blocks[: num_computed // block_size]
-    return (blocks[:, None] * block_size + np.arange(block_size, dtype=np.int64)).reshape(-1)
-
-
 def _block_ids(req, num_blocks: int) -> np.ndarray:
     blocks = np.asarray(req.block_ids)
     if blocks.size == 0:
@@ -46,32 +40,48 @@ def _block_ids(req, num_blocks: int) -> np.ndarray:
     return blocks.astype(np.int64, copy=False)
 
 
-def check_events(events: StepEvents, config: CacheConfig) -> dict[str, np.ndarray | None]:
-    """Checks a step's events; returns each new request's hit slots (``None`` for a miss)."""
+@dataclass(frozen=True, slots=True)
+class Scheduled:
+    """A checked new or resumed request: its block table and computed-token count."""
+
+    req_id: str
+    blocks: np.ndarray
+    num_computed: int
+    resumed: bool
+
+
+def check_events(events: StepEvents, config: CacheConfig, is_live) -> list[Scheduled]:
+    """Checks a step's events. A request the cache does not know yet that arrives with
+    ``num_computed_tokens > 0`` is a prefix hit and must cover whole blocks; a live one (resumed,
+    or continued as new) may have computed any count."""
     if not isinstance(events, StepEvents):
         raise InvalidInputError(f"begin_step takes StepEvents, got {type(events).__name__}")
-    hits: dict[str, np.ndarray | None] = {}
+    out: list[Scheduled] = []
+    seen: set[str] = set()
     for kind, requests, cls in (("new", events.new, NewRequest), ("resumed", events.resumed, ResumedRequest)):
         for req in requests:
             if not isinstance(req, cls):
                 raise InvalidInputError(f"StepEvents.{kind} holds {cls.__name__}s, got {type(req).__name__}")
             computed = _int(req.num_computed_tokens, f"{req.req_id!r}: num_computed_tokens")
             blocks = _block_ids(req, config.num_blocks)
-            if kind == "new":
-                if computed % config.block_size:
-                    raise InvalidInputError(
-                        f"{req.req_id!r}: num_computed_tokens={computed} is not a whole number of "
-                        f"blocks (block_size={config.block_size}); prefix hits are whole blocks"
-                    )
-                if computed > len(blocks) * config.block_size:
-                    raise InvalidInputError(
-                        f"{req.req_id!r}: num_computed_tokens={computed} exceeds its "
-                        f"{len(blocks)} blocks of {config.block_size}"
-                    )
-                if req.req_id in hits:
-                    raise InvalidInputError(f"request {req.req_id!r} is new twice in one step")
-                hits[req.req_id] = hit_slots(blocks, computed, config.block_size) if computed else None
-    return hits
+            if computed > len(blocks) * config.block_size:
+                raise InvalidInputError(
+                    f"{req.req_id!r}: num_computed_tokens={computed} exceeds its "
+                    f"{len(blocks)} blocks of {config.block_size}"
+                )
+            if not is_live(req.req_id) and computed % config.block_size:
+                raise InvalidInputError(
+                    f"{req.req_id!r}: num_computed_tokens={computed} is not a whole number of "
+                    f"blocks (block_size={config.block_size}); prefix hits are whole blocks"
+                )
+            if req.req_id in seen:
+                raise InvalidInputError(f"request {req.req_id!r} is scheduled twice in one step's events")
+            seen.add(req.req_id)
+            out.append(Scheduled(req.req_id, blocks, computed, kind == "resumed"))
+    for req_id in events.finished:
+        if not isinstance(req_id, str):
+            raise InvalidInputError(f"StepEvents.finished holds request ids (str), got {req_id!r}")
+    return out
 
 
 def check_batch(batch: StepBatch, config: CacheConfig) -> BatchShape:
@@ -80,12 +90,9 @@ def check_batch(batch: StepBatch, config: CacheConfig) -> BatchShape:
         raise InvalidInputError(f"save takes a StepBatch, got {type(batch).__name__}")
     req_ids = list(batch.req_ids)
     if len(req_ids) != len(batch.num_scheduled_tokens):
-        raise InvalidInputError(
-            f"{len(req_ids)} req_ids but {len(batch.num_scheduled_tokens)} num_scheduled_tokens"
-        )
+        raise InvalidInputError(f"{len(req_ids)} req_ids but {len(batch.num_scheduled_tokens)} num_scheduled_tokens")
     counts = [
-        _int(c, f"num_scheduled_tokens of {r!r}")
-        for r, c in zip(req_ids, batch.num_scheduled_tokens, strict=True)
+        _int(c, f"num_scheduled_tokens of {r!r}") for r, c in zip(req_ids, batch.num_scheduled_tokens, strict=True)
     ]
     if len(set(req_ids)) != len(req_ids):
         raise InvalidInputError(f"req_ids has duplicates: {req_ids}")
@@ -99,23 +106,17 @@ def check_batch(batch: StepBatch, config: CacheConfig) -> BatchShape:
     mapping = batch.slot_mapping
     if isinstance(mapping, torch.Tensor):
         if mapping.device.type != "cpu":
-            raise InvalidInputError(
-                "slot_mapping must be the CPU slot ids (no device sync), got a device tensor"
-            )
+            raise InvalidInputError("slot_mapping must be the CPU slot ids (no device sync), got a device tensor")
         mapping = mapping.numpy()
     mapping = np.asarray(mapping)
     if mapping.ndim != 1 or not np.issubdtype(mapping.dtype, np.integer):
-        raise InvalidInputError(
-            f"slot_mapping must be a 1-D integer array, got {mapping.dtype} {mapping.shape}"
-        )
+        raise InvalidInputError(f"slot_mapping must be a 1-D integer array, got {mapping.dtype} {mapping.shape}")
     if mapping.size < n:
         raise InvalidInputError(f"slot_mapping has {mapping.size} entries for {n} scheduled tokens")
     slots = np.ascontiguousarray(mapping[:n], dtype=np.int64)
     if n and (slots.min() < 0 or slots.max() >= config.num_slots):
         bad = int(np.flatnonzero((slots < 0) | (slots >= config.num_slots))[0])
-        raise InvalidInputError(
-            f"slot_mapping[{bad}] = {int(slots[bad])} is out of range [0, {config.num_slots})"
-        )
+        raise InvalidInputError(f"slot_mapping[{bad}] = {int(slots[bad])} is out of range [0, {config.num_slots})")
     rows: dict[str, tuple[int, int]] = {}
     start = 0
     for req_id, count in zip(req_ids, counts, strict=True):

@@ -22,7 +22,7 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1, VOCAB) for _ in range(n)]
 
 
-def _chat(rng: random.Random, num_requests: int, prefix: str) -> list[tuple[list[int], int]]:
+def _chat(rng: random.Random, num_requests: int) -> list[tuple[list[int], int]]:
     systems = [_tokens(rng, rng.randint(24, 72)) for _ in range(3)]
     out: list[tuple[list[int], int]] = []
     while len(out) < num_requests:
@@ -54,21 +54,22 @@ def make_workload(
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     rng = random.Random(seed)
     if name == "chat":
-        specs = _chat(rng, num_requests, "c")
+        specs = _chat(rng, num_requests)
     elif name == "fewshot":
         specs = _fewshot(rng, num_requests)
     elif name == "random":
         specs = _random(rng, num_requests)
     else:
         thirds = [num_requests // 3, num_requests // 3, num_requests - 2 * (num_requests // 3)]
-        specs = _chat(rng, thirds[0], "c") + _fewshot(rng, thirds[1]) + _random(rng, thirds[2])
+        specs = _chat(rng, thirds[0]) + _fewshot(rng, thirds[1]) + _random(rng, thirds[2])
         rng.shuffle(specs)
     requests = []
     step = 0.0
+    abort_rng = random.Random(seed + 7919)  # separate, so aborts never change the prompts
     for i, (prompt, max_tokens) in enumerate(specs):
         step += rng.expovariate(arrivals_per_step)
         arrival = int(step)
-        abort = arrival + rng.randint(0, 6) if rng.random() < abort_rate else None
+        abort = arrival + abort_rng.randint(0, 6) if abort_rng.random() < abort_rate else None
         outputs = _tokens(rng, max_tokens)
         requests.append(Request(f"{name[:2]}{i}", prompt, outputs, arrival_step=arrival, abort_step=abort))
     return requests

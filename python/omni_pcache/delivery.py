@@ -1,0 +1,76 @@
+"""What each live request's consumer has been given: the delivered span ``[0, delivered)``.
+
+The contract is that the rows returned for a request across all its steps concatenate to its
+full sequence, exactly once. That holds trivially for a fresh request (a hit span read from the
+pool, then each step's rows), and this module makes it hold when a request comes back:
+
+- **preempted and resumed** with hit ``H`` (it recomputes from ``H``): rows in
+  ``[H, delivered)`` are recomputed but not returned again; if ``H > delivered``, rows
+  ``[delivered, H)`` are read from the pool;
+- **continued** (an async chunk: a live id reappearing as new with ``num_computed_tokens`` =
+  what it computed itself): not a hit; it gets exactly its undelivered rows.
+
+Positions are tracked per request: ``next_pos`` is the position of the next row the engine will
+save for it. Engine thread only (begin_step and save).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def slots_of(blocks: np.ndarray, start: int, stop: int, block_size: int) -> np.ndarray:
+    """Slot ids of positions ``[start, stop)`` under a block table."""
+    pos = np.arange(start, stop, dtype=np.int64)
+    return blocks[pos // block_size] * block_size + pos % block_size
+
+
+@dataclass(slots=True)
+class Delivery:
+    """One live request: next position to be saved, end of the delivered span, and the pool
+    read (slots of positions ``[read_from, next_pos)``) due with its next save."""
+
+    next_pos: int = 0
+    delivered: int = 0
+    read: np.ndarray | None = None
+
+
+class DeliveryTracker:
+    """Delivered spans of live requests."""
+
+    def __init__(self, block_size: int) -> None:
+        self._block_size = block_size
+        self._live: dict[str, Delivery] = {}
+
+    def is_live(self, req_id: str) -> bool:
+        return req_id in self._live
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def schedule(self, req_id: str, blocks: np.ndarray, num_computed: int) -> bool:
+        """A request (re)enters with ``num_computed`` tokens already computed; plans the pool
+        read of what its consumer has not been given below that. Returns whether it reads."""
+        state = self._live.setdefault(req_id, Delivery())
+        read_from = state.delivered
+        state.read = slots_of(blocks, read_from, num_computed, self._block_size) if num_computed > read_from else None
+        state.next_pos = num_computed
+        return state.read is not None
+
+    def finish(self, req_id: str) -> None:
+        self._live.pop(req_id, None)
+
+    def take(self, req_id: str, count: int) -> tuple[int, np.ndarray | None]:
+        """A save of ``count`` rows of ``req_id``: returns how many leading rows were already
+        delivered (not to be returned again) and the pool read due now, if any."""
+        state = self._live.setdefault(req_id, Delivery())
+        start = state.next_pos
+        read, state.read = state.read, None
+        if read is not None:
+            state.delivered = max(state.delivered, start)
+        drop = min(max(state.delivered - start, 0), count)
+        state.next_pos = start + count
+        state.delivered = max(state.delivered, state.next_pos)
+        return drop, read
