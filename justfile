@@ -29,6 +29,14 @@ test: setup
 test-slow: setup develop
     HYPOTHESIS_PROFILE=slow python -m pytest -q
 
+# The main job: the embedded engine with and without the cache, checked against each other.
+demo *ARGS: setup develop
+    omni-pcache demo {{ARGS}}
+
+# The differential harness over many seeds (>= 100); prints how many requests and rows it checked.
+soak SEEDS="120": setup develop
+    OMNI_PCACHE_SOAK_SEEDS={{SEEDS}} python -m pytest -q -s tests/test_engine_differential.py -k soak
+
 # Exhaustive loom models of the task state machine and the copy queue.
 loom:
     RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=3 cargo test -p pcache-core --release --test loom_models -- --nocapture

@@ -30,6 +30,10 @@ from omni_pcache.stats import CacheStats
 MODELS = ("transformer", "prefix-hash")
 
 
+class EngineCapacityError(RuntimeError):
+    """The workload cannot run on this engine's KV pool (a request alone does not fit)."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Sizes and modes of one engine run."""
@@ -178,6 +182,12 @@ class Engine:
                 for req in aborts.pop(step, []):
                     self.scheduler.abort(req)
                 sched = self.scheduler.schedule(step)
+                if not sched.scheduled and not self.scheduler.running and self.scheduler.waiting:
+                    head = self.scheduler.waiting[0]
+                    raise EngineCapacityError(
+                        f"request {head.req_id} needs {-(-head.num_tokens // self.config.block_size)} KV blocks "
+                        f"but the pool has {self.config.num_blocks}; raise --num-blocks"
+                    )
                 if self.cache is not None and (sched.scheduled or sched.finished):
                     self.cache.begin_step(
                         StepEvents(

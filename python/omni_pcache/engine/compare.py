@@ -1,0 +1,69 @@
+"""Differential check of a cached run against the reference run (prefix caching off).
+
+For every request, the concatenation of the rows the cached run returned across its steps
+must equal the reference rows of its full sequence: the whole sequence for a finished
+request, a prefix of it for an aborted one. Exact for the prefix-hash model, within a
+tolerance for the transformer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from omni_pcache.engine.engine import EngineResult
+from omni_pcache.engine.request import Status
+
+
+@dataclass
+class Comparison:
+    """The outcome of one differential check."""
+
+    requests_checked: int = 0
+    rows_checked: int = 0
+    max_abs_diff: float = 0.0
+    mismatches: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+
+def compare(cached: EngineResult, reference: EngineResult, atol: float) -> Comparison:
+    """Checks every request of ``cached`` against ``reference`` (see the module doc)."""
+    result = Comparison()
+    for req_id, req in cached.requests.items():
+        ref = reference.outputs.get(req_id)
+        out = cached.outputs.get(req_id)
+        if ref is None:
+            result.mismatches.append(f"{req_id}: no reference rows")
+            continue
+        ref_hidden, ref_proj = ref.rows()
+        if out is None:
+            if req.status is Status.FINISHED:
+                result.mismatches.append(f"{req_id}: finished but no rows were returned")
+            continue
+        hidden, proj = out.rows()
+        expected_len = req.full_sequence_len() if req.status is Status.FINISHED else None
+        if expected_len is not None and hidden.shape[0] != expected_len:
+            result.mismatches.append(f"{req_id}: {hidden.shape[0]} rows returned, full sequence is {expected_len}")
+            continue
+        if hidden.shape[0] > ref_hidden.shape[0] or proj.shape[0] != hidden.shape[0]:
+            result.mismatches.append(
+                f"{req_id}: {hidden.shape[0]} hidden / {proj.shape[0]} proj rows vs {ref_hidden.shape[0]} reference"
+            )
+            continue
+        n = hidden.shape[0]
+        diff = (hidden - ref_hidden[:n]).abs()
+        worst = float(diff.max()) if n else 0.0
+        result.max_abs_diff = max(result.max_abs_diff, worst)
+        proj_diff = float((proj.double() - ref_proj[:n].double()).abs().max()) if n else 0.0
+        if worst > atol or proj_diff > atol:
+            first = int(torch.nonzero(diff.amax(-1) > atol)[0]) if worst > atol else -1
+            result.mismatches.append(
+                f"{req_id}: rows differ from the reference (max |diff| {max(worst, proj_diff):.3g}, first bad position {first})"
+            )
+        result.requests_checked += 1
+        result.rows_checked += n
+    return result

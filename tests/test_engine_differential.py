@@ -1,0 +1,101 @@
+"""The differential harness: the engine with the cache against the same engine with prefix
+caching off, over seeds and workload mixes that exercise eviction, preemption, aborts,
+same-step hits, chunked prefill and one-step-late materialize on another thread.
+
+Per request, the concatenation of its outputs across steps must equal the reference rows of
+its full sequence: exactly with the prefix-hash model, within 1e-5 with the transformer.
+`just soak` runs many more seeds (``OMNI_PCACHE_SOAK_SEEDS``) and prints what it checked.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+
+from omni_pcache.engine import Engine, EngineConfig, make_workload
+from omni_pcache.engine.compare import compare
+
+SOAK_SEEDS = int(os.environ.get("OMNI_PCACHE_SOAK_SEEDS", "0"))
+
+# (name, engine config, workload, requests, abort rate)
+SCENARIOS = [
+    ("plenty-of-blocks", EngineConfig(num_blocks=512), "mixed", 60, 0.0),
+    ("eviction-and-preemption", EngineConfig(num_blocks=20, max_num_batched_tokens=128), "chat", 50, 0.0),
+    ("aborts", EngineConfig(num_blocks=64), "mixed", 60, 0.3),
+    (
+        "chunked-prefill",
+        EngineConfig(num_blocks=96, long_prefill_tokens=24, max_num_batched_tokens=64),
+        "fewshot",
+        40,
+        0.1,
+    ),
+    ("output-thread", EngineConfig(num_blocks=32, output_thread=True), "mixed", 60, 0.15),
+    ("small-blocks", EngineConfig(num_blocks=96, block_size=4), "chat", 40, 0.1),
+]
+
+
+def run_pair(config: EngineConfig, workload: str, num_requests: int, seed: int, abort_rate: float):
+    config = replace(config, seed=seed)
+    cached = Engine(config).run(make_workload(workload, num_requests, seed, abort_rate=abort_rate))
+    reference = Engine(replace(config, enable_prefix_caching=False)).run(make_workload(workload, num_requests, seed))
+    return cached, reference
+
+
+def check(config, workload, num_requests, seed, abort_rate):
+    cached, reference = run_pair(config, workload, num_requests, seed, abort_rate)
+    atol = 0.0 if config.model == "prefix-hash" else 1e-5
+    result = compare(cached, reference, atol)
+    assert result.ok, "\n".join(result.mismatches[:10])
+    stats = cached.cache_stats
+    assert stats is not None
+    assert stats.staging_holders == [[]] * len(stats.staging_holders), "every staging page free at the end"
+    assert stats.steps_outstanding == []
+    return cached, result
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize(
+    ("name", "config", "workload", "num_requests", "abort_rate"), SCENARIOS, ids=[s[0] for s in SCENARIOS]
+)
+def test_prefix_hash_rows_equal_the_reference_exactly(name, config, workload, num_requests, abort_rate, seed) -> None:
+    config = replace(config, model="prefix-hash")
+    cached, result = check(config, workload, num_requests, seed, abort_rate)
+    assert result.rows_checked > 0
+    if name == "eviction-and-preemption":
+        assert cached.evictions > 0 and cached.preemptions > 0, "the scenario must force both"
+    if name == "aborts":
+        assert any(r.status.value == "aborted" for r in cached.requests.values())
+
+
+@pytest.mark.parametrize(
+    ("name", "config", "workload", "num_requests", "abort_rate"),
+    [SCENARIOS[1], SCENARIOS[4]],
+    ids=[SCENARIOS[1][0], SCENARIOS[4][0]],
+)
+def test_transformer_rows_equal_the_reference_within_tolerance(name, config, workload, num_requests, abort_rate):
+    cached, result = check(replace(config, model="transformer"), workload, 30, 7, abort_rate)
+    assert 0.0 <= result.max_abs_diff <= 1e-5
+    assert cached.hit_tokens > 0
+
+
+def test_a_broken_cache_is_caught_by_the_harness() -> None:
+    """The harness can fail: serving a stale pool row must show up as a mismatch."""
+    config = replace(SCENARIOS[0][1], model="prefix-hash")
+    cached, reference = run_pair(config, "chat", 30, 3, 0.0)
+    victim = next(r for r in cached.outputs.values() if r.hidden and r.hidden[0].shape[0] > 1)
+    victim.hidden[0] = victim.hidden[0].flip(0)
+    assert not compare(cached, reference, 0.0).ok
+
+
+@pytest.mark.skipif(SOAK_SEEDS == 0, reason="soak: run `just soak`")
+def test_soak() -> None:
+    requests = rows = 0
+    for seed in range(SOAK_SEEDS):
+        name, config, workload, num_requests, abort_rate = SCENARIOS[seed % len(SCENARIOS)]
+        model = "transformer" if seed % 10 == 9 else "prefix-hash"
+        _, result = check(replace(config, model=model), workload, num_requests, seed, abort_rate)
+        requests += result.requests_checked
+        rows += result.rows_checked
+    print(f"\nsoak: {SOAK_SEEDS} seeds, {requests} requests and {rows} rows checked, 0 mismatches")
