@@ -93,7 +93,7 @@ def test_a_broken_cache_is_caught_by_the_harness() -> None:
 def test_soak() -> None:
     requests = rows = 0
     for seed in range(SOAK_SEEDS):
-        name, config, workload, num_requests, abort_rate = SCENARIOS[seed % len(SCENARIOS)]
+        _, config, workload, num_requests, abort_rate = SCENARIOS[seed % len(SCENARIOS)]
         model = "transformer" if seed % 10 == 9 else "prefix-hash"
         _, result = check(replace(config, model=model), workload, num_requests, seed, abort_rate)
         requests += result.requests_checked

@@ -1,0 +1,93 @@
+"""The embedded engine follows vLLM's prefix-caching and scheduling rules."""
+
+from __future__ import annotations
+
+from omni_pcache.engine.block_pool import BlockPool
+from omni_pcache.engine.kv_manager import KVCacheManager
+from omni_pcache.engine.request import Request, Status
+from omni_pcache.engine.scheduler import Scheduler
+
+BS = 4
+
+
+def req(name: str, prompt: list[int], outputs=(1, 2)) -> Request:
+    return Request(name, list(prompt), list(outputs))
+
+
+def test_freed_blocks_stay_cached_until_reused_lru_and_tail_first() -> None:
+    pool = BlockPool(4)
+    blocks = pool.allocate(3)
+    for i, b in enumerate(blocks):
+        pool.cache_block(b, 100 + i)
+    pool.free(blocks)  # tail first: 2, 1, 0 join the free queue after 3
+    assert [pool.cached_block(100 + i) for i in range(3)] == blocks
+    assert pool.allocate(2) == [3, blocks[2]], "the never-cached block goes first, then the tail block"
+    assert pool.cached_block(102) is None and pool.num_evictions == 1
+    assert pool.cached_block(100) == blocks[0]
+
+
+def test_longest_prefix_match_never_covers_the_last_token() -> None:
+    kv = KVCacheManager(16, BS, enable_prefix_caching=True)
+    a = req("a", list(range(12)))
+    assert kv.allocate(a, 12)
+    b = req("b", list(range(12)))  # identical prompt: 3 full blocks cached, but only 2 may hit
+    assert kv.match_prefix(b) == a.blocks[:2]
+    c = req("c", [*range(8), 99, 98, 97, 96, 95])
+    assert kv.match_prefix(c) == a.blocks[:2]
+    assert KVCacheManager(16, BS, enable_prefix_caching=False).match_prefix(b) == []
+
+
+def test_same_step_hit_on_blocks_scheduled_earlier_in_the_step() -> None:
+    kv = KVCacheManager(32, BS, enable_prefix_caching=True)
+    sched = Scheduler(kv, max_num_batched_tokens=64, max_num_running=8)
+    sched.add(req("a", list(range(10))))
+    sched.add(req("b", [*range(8), 50, 51, 52]))
+    step = sched.schedule(0)
+    assert [(r, n) for r, _, n in step.new] == [("a", 0), ("b", 8)], "b hits a's blocks in the same step"
+    assert step.new[1][1][:2] == step.new[0][1][:2]
+
+
+def test_chunked_prefill_decode_and_finish() -> None:
+    kv = KVCacheManager(32, BS, enable_prefix_caching=True)
+    sched = Scheduler(kv, max_num_batched_tokens=16, max_num_running=8, long_prefill_tokens=6)
+    r = req("a", list(range(10)), outputs=(7, 8, 9))
+    sched.add(r)
+    counts = []
+    for step in range(10):
+        s = sched.schedule(step)
+        counts.append([n for _, n in s.scheduled])
+        sched.update(s)
+        if r.status is Status.FINISHED:
+            break
+    assert counts == [[6], [4], [1], [1]], "two prefill chunks, then one token per step"
+    assert r.tokens == [*range(10), 7, 8, 9] and r.full_sequence_len() == 12
+    assert kv.pool.num_free == 32
+
+
+def test_preemption_frees_the_last_running_request_and_it_resumes_with_a_rematch() -> None:
+    kv = KVCacheManager(6, BS, enable_prefix_caching=True)
+    sched = Scheduler(kv, max_num_batched_tokens=64, max_num_running=8)
+    a, b = req("a", list(range(11)), outputs=(1,) * 8), req("b", list(range(100, 111)), outputs=(1,) * 8)
+    sched.add(a)
+    sched.add(b)
+    resumed = []
+    for step in range(40):
+        s = sched.schedule(step)
+        resumed += s.resumed
+        sched.update(s)
+        if not sched.has_work:
+            break
+    assert sched.num_preemptions >= 1 and b.num_preemptions >= 1
+    assert resumed and resumed[0][0] == "b" and resumed[0][2] > 0, "b re-matched its cached prefix"
+    assert a.status is Status.FINISHED and b.status is Status.FINISHED
+
+
+def test_abort_frees_blocks_and_reports_finished_next_step() -> None:
+    kv = KVCacheManager(8, BS, enable_prefix_caching=True)
+    sched = Scheduler(kv, max_num_batched_tokens=64, max_num_running=8)
+    a = req("a", list(range(6)))
+    sched.add(a)
+    sched.update(sched.schedule(0))
+    sched.abort(a)
+    assert a.status is Status.ABORTED and kv.pool.num_free == 8
+    assert sched.schedule(1).finished == ["a"]
