@@ -27,9 +27,7 @@ def engine_thread_step_us(num_reqs: int, tokens: int, width: int, dtype: torch.d
     timed); every other step's new requests hit the previous step's blocks."""
     blocks_per_req = tokens // BLOCK
     num_blocks = 4096
-    config = CacheConfig(
-        num_blocks=num_blocks, block_size=BLOCK, staging_depth=4, staging_capacity_tokens=8192
-    )
+    config = CacheConfig(num_blocks=num_blocks, block_size=BLOCK, staging_depth=4, staging_capacity_tokens=8192)
     hidden = torch.randn(num_reqs * tokens, width).to(dtype)
     times = []
     with PrefixCache(config) as cache:

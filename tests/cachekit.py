@@ -30,9 +30,7 @@ def describe(t: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def batch(req_counts: list[tuple[str, int]], slot_lists: list[np.ndarray], padded: int | None = None):
-    return StepBatch(
-        [r for r, _ in req_counts], [c for _, c in req_counts], np.concatenate(slot_lists), padded
-    )
+    return StepBatch([r for r, _ in req_counts], [c for _, c in req_counts], np.concatenate(slot_lists), padded)
 
 
 def small_cache(**overrides) -> PrefixCache:

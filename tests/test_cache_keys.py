@@ -20,9 +20,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32
 ROW_SHAPES = [(), (5,), (2, 3)]
 
 
-def encoded(
-    start: int, count: int, row_shape: tuple[int, ...], dtype: torch.dtype, salt: int
-) -> torch.Tensor:
+def encoded(start: int, count: int, row_shape: tuple[int, ...], dtype: torch.dtype, salt: int) -> torch.Tensor:
     """Rows whose every element encodes (position, salt), exact in every dtype used here."""
     numel = int(np.prod(row_shape)) if row_shape else 1
     pos = torch.arange(start, start + count).reshape(count, *([1] * len(row_shape)))
@@ -134,9 +132,7 @@ def test_padded_step_caches_only_the_scheduled_rows() -> None:
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
         hidden = torch.arange(8.0).reshape(8, 1).repeat(1, 2)  # 6 real rows + 2 padding rows
         codes = torch.arange(6) + 100  # a per-token mm key left unpadded on a padded step
-        sid = cache.save(
-            hidden, {"codes": codes}, StepBatch(["a"], [6], np.array([0, 1, 2, 3, 4, 5, -1, -1]), 8)
-        )
+        sid = cache.save(hidden, {"codes": codes}, StepBatch(["a"], [6], np.array([0, 1, 2, 3, 4, 5, -1, -1]), 8))
         out = cache.materialize(sid, ["a"])
         assert torch.equal(out.hidden["a"], hidden[:6])
         assert torch.equal(out.mm["codes"]["a"], codes)

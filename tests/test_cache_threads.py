@@ -81,9 +81,7 @@ def test_pool_storage_is_allocated_on_first_sight_and_logged_once(caplog: pytest
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2])]))
         for i in range(3):
             mm = {"audio": torch.zeros(2, 4, 2, dtype=torch.bfloat16)}
-            cache.discard(
-                cache.save(torch.zeros(2, 5), mm, StepBatch(["a"], [2], np.arange(2 * i, 2 * i + 2)))
-            )
+            cache.discard(cache.save(torch.zeros(2, 5), mm, StepBatch(["a"], [2], np.arange(2 * i, 2 * i + 2))))
         assert cache.stats().pool_bytes == {"hidden": 32 * 5 * 4, "audio": 32 * 8 * 2}
     pool_logs = [r.getMessage() for r in caplog.records if "host pool" in r.getMessage()]
     assert pool_logs == [

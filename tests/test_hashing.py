@@ -38,9 +38,7 @@ def reference(tokens: list[int], block_size: int, parent: int | None, extra: lis
 )
 def test_matches_an_independent_reference(tokens, block_size, parent, data) -> None:
     num_blocks = len(tokens) // block_size
-    extra = data.draw(
-        st.none() | st.lists(st.none() | st.binary(max_size=9), min_size=num_blocks, max_size=num_blocks)
-    )
+    extra = data.draw(st.none() | st.lists(st.none() | st.binary(max_size=9), min_size=num_blocks, max_size=num_blocks))
     assert hash_blocks(np.array(tokens, dtype=np.int64), block_size, parent, extra) == reference(
         tokens, block_size, parent, extra
     )
@@ -70,8 +68,7 @@ def test_array_form_matches_int_form() -> None:
 def test_same_hash_in_another_process(seed: str) -> None:
     tokens = list(range(7, 7 + 48))
     code = (
-        "from omni_pcache import hash_blocks; "
-        "print(hash_blocks(list(range(7, 55)), 16, extra_keys=[b'a', None, b'b']))"
+        "from omni_pcache import hash_blocks; print(hash_blocks(list(range(7, 55)), 16, extra_keys=[b'a', None, b'b']))"
     )
     env = {**os.environ, "PYTHONHASHSEED": seed}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)

@@ -264,9 +264,7 @@ class NativeMachine(RuleBasedStateMachine):
                 self.ledger.validate(read_id)
             return
         moved = []
-        for i, (slot, version, owner_then) in enumerate(
-            zip(read.slots, read.versions, read.owners, strict=True)
-        ):
+        for i, (slot, version, owner_then) in enumerate(zip(read.slots, read.versions, read.owners, strict=True)):
             owner, now, _ = self.m_ledger.get(slot, read.key)
             if now != version or (owner == SOURCE_ABSENT and owner_then != SOURCE_ABSENT):
                 moved.append(i)
