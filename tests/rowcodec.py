@@ -47,10 +47,7 @@ def describe(row: torch.Tensor | None, block_size: int) -> str:
     if stamp is None:
         return f"<not a stamp: {row.tolist()}>"
     block, offset = divmod(stamp.slot, block_size)
-    return (
-        f"key {stamp.key}, slot {stamp.slot} (block {block} +{offset}), "
-        f"writer {stamp.writer}, step {stamp.step}"
-    )
+    return f"key {stamp.key}, slot {stamp.slot} (block {block} +{offset}), writer {stamp.writer}, step {stamp.step}"
 
 
 def row_diff(

@@ -28,6 +28,7 @@ from omni_pcache._native import Ledger, StagingSlots, StepIds, WriteTasks
 from omni_pcache.committer import Committer
 from omni_pcache.config import HIDDEN, CacheConfig, CachePolicy
 from omni_pcache.copy_engine import CopyEngine, CopyHandle
+from omni_pcache.deferred import Clone, DeferredRecord, DeviceBudget
 from omni_pcache.delivery import DeliveryTracker
 from omni_pcache.errors import (
     CacheClosedError,
@@ -63,6 +64,7 @@ class StepRecord:
     keys: list[str]
     hits: dict[str, HitRead]
     leftover: dict[str, Any]
+    clones: dict[str, Clone]  # this step's rows of deferred keys
 
 
 class PrefixCache:
@@ -74,11 +76,6 @@ class PrefixCache:
         policy = CachePolicy() if policy is None else policy
         if not isinstance(policy, CachePolicy):
             raise ConfigError(f"policy must be a CachePolicy, got {type(policy).__name__}")
-        if policy.deferred_keys:
-            raise ConfigError(
-                f"deferred_keys {sorted(policy.deferred_keys)} are not supported by this version; "
-                "cache them as immediate keys (drop them from CachePolicy.deferred_keys)"
-            )
         self._config = config
         self._policy = policy
         self._cond = threading.Condition(threading.Lock())
@@ -91,13 +88,19 @@ class PrefixCache:
         self._pages = StagingPages(config.staging_depth, config.staging_capacity_tokens)
         self._preserved = PreservedRows(config.max_preserved_rows, self._cond)
         self._copies = CopyEngine()
-        self._writer = PoolWriter(
-            self._tasks, self._ledger, self._staging, self._pages, self._pool, self._preserved, self._cond
-        )
+        self._writer = PoolWriter(self._tasks, self._ledger, self._pool, self._preserved, self._cond)
         self._reader = HitReader(
-            self._ledger, self._pool, self._preserved, self._cond, self._wait_tasks, lambda: self._failure
+            self._ledger,
+            self._pool,
+            self._preserved,
+            self._cond,
+            self._wait_tasks,
+            lambda: self._failure,
+            self._open_deferred,
         )
-        self._records: dict[int, WriteRecord] = {}
+        self._budget = DeviceBudget(config.device_budget_bytes)
+        self._open: dict[str, DeferredRecord] = {}  # live request -> its open deferred record
+        self._records: dict[int, WriteRecord | DeferredRecord] = {}
         self._req_tasks: dict[str, set[int]] = {}
         self._delivery = DeliveryTracker(config.block_size)
         self._step_records: dict[int, StepRecord] = {}
@@ -124,10 +127,13 @@ class PrefixCache:
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Waits until every queued write has reached the pool (any thread but the committer).
+        Deferred rows of live requests stay on the device until those requests finish.
         Raises `WriteFailedError` if a write failed, `WriteTimeoutError` on timeout."""
         timeout = self._config.claim_timeout_s if timeout_s is None else timeout_s
         with self._cond:
-            open_ids = {t for t, r in self._records.items() if not r.closed}
+            open_ids = {
+                t for t, r in self._records.items() if not r.closed and not (r.deferred and not r.flushed)
+            }
         if open_ids:
             self._wait_tasks(open_ids, time.monotonic() + timeout)
         elif self._failure is not None:
@@ -163,10 +169,18 @@ class PrefixCache:
         scheduled = check_events(events, self._config, self._delivery.is_live)
         self._copies.fence()
         self._reap_completions()
+        flushed = 0
         for req_id in events.finished:
             self._delivery.finish(req_id)
             for task_id in sorted(self._req_tasks.pop(req_id, ())):
                 self._tasks.escalate(task_id)
+            record = self._open.pop(req_id, None)
+            if record is not None:
+                self._tasks.escalate(record.task_id)  # PENDING: flagged, queued at the front
+                self._flush(record)
+                flushed += 1
+        if flushed:
+            self._committer.notify(flushed)
         for req in scheduled:
             fresh = not self._delivery.is_live(req.req_id)
             self._delivery.schedule(req.req_id, req.blocks, req.num_computed)
@@ -183,24 +197,39 @@ class PrefixCache:
         self._check_usable()
         shape = check_batch(batch, self._config)
         cached, leftover = self._keys.classify(hidden, {} if mm is None else mm, shape.n, shape.n_padded)
+        deferred_names = self._policy.deferred_keys
+        for name in deferred_names & cached.keys():
+            if cached[name][0].row_bytes * shape.n > self._budget.limit:
+                raise InvalidInputError(
+                    f"this step's rows of deferred key {name!r} ({cached[name][0].row_bytes * shape.n} bytes) "
+                    f"exceed device_budget_bytes={self._budget.limit}"
+                )
         specs = [spec for spec, _ in cached.values()]
+        immediate = [spec for spec in specs if spec.name not in deferred_names]
+        deferred = [spec for spec in specs if spec.name in deferred_names]
         for spec in specs:
             self._pool.ensure(spec)
-            self._pages.ensure(spec)
+            if spec.name not in deferred_names:
+                self._pages.ensure(spec)
         step_id = self._steps.issue()
         page = self._claim_page(step_id)
         try:
             copy = self._copies.start()
-            for name, (_, tensor) in cached.items():
-                copy.copy(self._pages.page(name, page)[: shape.n], tensor[: shape.n])
+            for spec in immediate:
+                copy.copy(self._pages.page(spec.name, page)[: shape.n], cached[spec.name][1][: shape.n])
             kept_leftover = {name: snapshot(value, copy) for name, value in leftover.items()}
             handle = copy.finish()
-            records, from_pool = self._claim_rows(step_id, page, shape, specs, handle)
+            clones = self._clone_deferred(deferred, cached, shape, step_id)
+            records, from_pool, from_deferred = self._claim_rows(
+                step_id, page, shape, immediate, deferred, handle, clones
+            )
         except CacheClosedError:
             raise self._failure or CacheClosedError("the cache was closed during save") from None
         for spec, slots, versions in from_pool:
             rows = self._pool.read(spec.name, torch.tensor(slots, dtype=torch.int64))
             self._preserved.fill(spec.name, slots, versions, rows)
+        for record, spec, slots, versions in from_deferred:
+            self._preserved.fill(spec.name, slots, versions, record.rows(spec, record.position_of(slots)))
         with self._cond:
             rows: dict[str, tuple[int, int, int]] = {}
             hits: dict[str, HitRead] = {}
@@ -210,12 +239,66 @@ class PrefixCache:
                 if read is not None:
                     hits[req_id] = self._reader.plan(req_id, read, specs)
             self._step_records[step_id] = StepRecord(
-                step_id, page, handle, shape.n, shape.n_padded, rows, list(cached), hits, kept_leftover
+                step_id, page, handle, shape.n, shape.n_padded, rows, list(cached), hits, kept_leftover, clones
             )
         for record in records:
             self._tasks.enqueue(record.task_id)
         self._committer.notify(len(records))
         return step_id
+
+    def _clone_deferred(self, deferred: list[KeySpec], cached, shape, step_id: int) -> dict[str, Clone]:
+        """One device clone per deferred key of this step's rows, charged once to the device
+        budget; flushes the oldest open deferred records first when it would overflow."""
+        if not deferred:
+            return {}
+        holders = sum(1 for _, count in shape.rows.values() if count)
+        need = sum(spec.row_bytes * shape.n for spec in deferred)
+        if self._budget.used + need > self._budget.limit:
+            self._make_room(need)
+        clones = {}
+        for spec in deferred:
+            clone = Clone(cached[spec.name][1][: shape.n].detach().clone(), holders, self._budget)
+            if holders:
+                self._budget.charge(clone.nbytes)
+            clones[spec.name] = clone
+        return clones
+
+    def _make_room(self, need: int) -> None:
+        """Flushes open deferred records, oldest first, until their writes free enough of the
+        device budget, then waits for those writes (engine thread; up to claim_timeout_s)."""
+        overflow = self._budget.used + need - self._budget.limit
+        freed = 0
+        counted: set[int] = set()
+        for record in sorted(self._open.values(), key=lambda r: (r.step_id, r.task_id)):
+            if freed >= overflow:
+                break
+            del self._open[record.req_id]
+            self._flush(record)
+            self._committer.notify(1)
+            for chunks in record.chunks.values():
+                for clone, _, _ in chunks:
+                    if id(clone) not in counted and all(r.flushed or r.closed for r in clone.owners):
+                        counted.add(id(clone))
+                        freed += clone.nbytes
+        start = time.monotonic()
+        fits = self._budget.wait_for_room(need, start + self._config.claim_timeout_s)
+        self._counters.waited(time.monotonic() - start)
+        if not fits:
+            if self._failure is not None:
+                raise self._failure
+            err = StagingTimeoutError(
+                f"save waited {self._config.claim_timeout_s:g} s for {need} bytes of device budget "
+                f"(used {self._budget.used} of {self._budget.limit}); open deferred requests: "
+                f"{sorted(self._open)}"
+            )
+            err.holders = []
+            err.unconsumed = self._steps.outstanding()
+            raise err
+
+    def _flush(self, record: DeferredRecord) -> None:
+        """Queues an open deferred record for writing (engine thread)."""
+        record.flushed = True
+        self._tasks.enqueue(record.task_id)
 
     def _claim_page(self, step_id: int) -> int:
         try:
@@ -245,41 +328,52 @@ class PrefixCache:
         finally:
             self._counters.waited(time.monotonic() - start)
 
-    def _claim_rows(self, step_id, page, shape, specs: list[KeySpec], handle: CopyHandle):
-        """Creates one write task per request and claims its slots for every key, registering
-        copy-on-write obligations atomically with the claims (ledger lock)."""
+    def _claim_rows(self, step_id, page, shape, immediate, deferred, handle, clones):
+        """Creates one write task per request for the immediate keys and extends each request's
+        open deferred record, claiming their slots and registering copy-on-write obligations
+        atomically with the claims (ledger lock)."""
         records: list[WriteRecord] = []
-        from_pool: list[tuple[KeySpec, list[int], list[int]]] = []
-        if not specs:
-            return records, from_pool
+        from_pool: list = []
+        from_deferred: list = []
+        if not immediate and not deferred:
+            return records, from_pool, from_deferred
         with self._cond:
             for req_id, (start, count) in shape.rows.items():
                 if count == 0:
                     continue
                 slots = shape.slot_mapping[start : start + count]
-                task_id = self._tasks.create()
-                record = WriteRecord(
-                    task_id,
-                    step_id,
-                    req_id,
-                    page,
-                    start,
-                    count,
-                    tuple(specs),
-                    handle,
-                    torch.from_numpy(slots),
-                )
-                self._records[task_id] = record
-                self._req_tasks.setdefault(req_id, set()).add(task_id)
-                for spec in specs:
-                    out = self._ledger.claim(slots, spec.key_id, task_id)
-                    if out.preserve_slots.size:
-                        self._register_obligations(spec, out, step_id, from_pool)
-                self._staging.hold(page, ("task", task_id))
-                records.append(record)
-        return records, from_pool
+                slot_tensor = torch.from_numpy(slots)
+                if immediate:
+                    task_id = self._tasks.create()
+                    record = WriteRecord(
+                        task_id, step_id, req_id, page, start, count, tuple(immediate), handle, slot_tensor, self._pages
+                    )
+                    self._records[task_id] = record
+                    self._req_tasks.setdefault(req_id, set()).add(task_id)
+                    for spec in immediate:
+                        out = self._ledger.claim(slots, spec.key_id, task_id)
+                        if out.preserve_slots.size:
+                            self._register_obligations(spec, out, step_id, from_pool, from_deferred)
+                    self._staging.hold(page, ("task", task_id))
+                    records.append(record)
+                if deferred:
+                    record = self._open.get(req_id)
+                    if record is None:
+                        task_id = self._tasks.create()
+                        record = DeferredRecord(
+                            task_id, req_id, step_id, tuple(deferred), self._config.copy_chunk_bytes
+                        )
+                        self._records[task_id] = record
+                        self._open[req_id] = record
+                    record.append(clones, start, count, slot_tensor)
+                    for spec in deferred:
+                        clones[spec.name].owners.append(record)
+                        out = self._ledger.claim(slots, spec.key_id, record.task_id)
+                        if out.preserve_slots.size:
+                            self._register_obligations(spec, out, step_id, from_pool, from_deferred)
+        return records, from_pool, from_deferred
 
-    def _register_obligations(self, spec: KeySpec, out, step_id: int, from_pool: list) -> None:
+    def _register_obligations(self, spec: KeySpec, out, step_id: int, from_pool: list, from_deferred: list) -> None:
         """Copy-on-write for slots a pending read captured (caller holds the ledger lock)."""
         slots = out.preserve_slots.tolist()
         versions = out.preserve_versions.tolist()
@@ -292,10 +386,13 @@ class PrefixCache:
                 group[0].append(slot)
                 group[1].append(version)
         for owner, (s, v) in by_owner.items():
-            if owner < 0:
+            record = self._records.get(owner) if owner >= 0 else None
+            if record is None:
                 from_pool.append((spec, s, v))
+            elif record.deferred:
+                from_deferred.append((record, spec, s, v))  # its rows are in a clone already
             else:
-                self._records[owner].obligations.append((spec, s, v))
+                record.obligations.append((spec, s, v))
 
     # ---- committer thread --------------------------------------------------------------
 
@@ -304,7 +401,10 @@ class PrefixCache:
             raise self._failure
         record = self._records[task_id]
         self._writer.write(record)
-        self._staging.release(record.page, ("task", task_id))
+        if record.deferred:
+            record.release()
+        else:
+            self._staging.release(record.page, ("task", task_id))
         self._tasks.complete(task_id)
 
     def _on_write_failure(self, task_id: int, exc: BaseException) -> None:
@@ -335,6 +435,11 @@ class PrefixCache:
             for hit_owner in self._step_records.values():
                 for hit in hit_owner.hits.values():
                     self._reader.release(hit)
+            for record in self._records.values():
+                if record.deferred:
+                    record.release()
+            self._open.clear()
+            self._budget.wake()
             self._staging.close()
             for page, holders in enumerate(self._staging.holders()):
                 for holder in holders:
@@ -405,7 +510,11 @@ class PrefixCache:
             for req_id in req_ids:
                 start, count, drop = record.rows[req_id]
                 rows = {
-                    name: self._pages.page(name, record.page)[start + drop : start + count].clone()
+                    name: (
+                        record.clones[name].tensor[start + drop : start + count].cpu().clone()
+                        if name in record.clones
+                        else self._pages.page(name, record.page)[start + drop : start + count].clone()
+                    )
                     for name in record.keys
                 }
                 hit = record.hits.get(req_id)
@@ -430,6 +539,11 @@ class PrefixCache:
         self._finish_step(self._take_step(step_id, None))
 
     # ---- engine thread housekeeping and stats ------------------------------------------
+
+    def _open_deferred(self, task_id: int) -> DeferredRecord | None:
+        """The deferred record of ``task_id`` if its rows are not in the pool yet (any thread)."""
+        record = self._records.get(task_id)
+        return record if record is not None and record.deferred and not record.closed else None
 
     def _reap_completions(self) -> None:
         for task_id in self._tasks.drain_completions().tolist():
@@ -460,6 +574,8 @@ class PrefixCache:
             steps_outstanding=self._steps.outstanding(),
             tasks_live=len(self._tasks),
             preserved_entries=len(self._preserved),
+            device_bytes=self._budget.used,
+            deferred_open=len(self._open),
         )
 
 

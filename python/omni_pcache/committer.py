@@ -43,7 +43,8 @@ class Committer:
     def notify(self, num_tasks: int = 1) -> None:
         """Tasks were queued (engine thread). Inline mode writes them now."""
         if self._threaded:
-            self._wake.release(num_tasks)
+            if num_tasks > 0:
+                self._wake.release(num_tasks)
         else:
             self._drain()
 

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,6 +71,7 @@ class HitReader:
         cond: threading.Condition,
         wait_tasks: Callable[[set[int], float], None],
         failure: Callable[[], BaseException | None],
+        open_deferred: Callable[[int], Any],
     ) -> None:
         self._ledger = ledger
         self._pool = pool
@@ -77,6 +79,7 @@ class HitReader:
         self._cond = cond
         self._wait_tasks = wait_tasks
         self._failure = failure
+        self._open_deferred = open_deferred
 
     def plan(self, req_id: str, slots: np.ndarray, specs: list[KeySpec]) -> HitRead:
         """Registers the reads of one hit for every key (caller holds the ledger lock)."""
@@ -106,12 +109,20 @@ class HitReader:
                     "does not mirror the engine's KV for these blocks"
                 )
         in_flight = {int(t) for read in hit.keys for t in np.unique(read.sources) if t >= 0}
-        if in_flight:
-            self._wait_tasks(in_flight, deadline)
+        # Deferred rows not yet written are served from their device clone, never waited for
+        # (their write may not happen before the request finishes).
+        clones = {t: record for t in in_flight if (record := self._open_deferred(t)) is not None}
+        if in_flight - clones.keys():
+            self._wait_tasks(in_flight - clones.keys(), deadline)
         served: dict[str, torch.Tensor] = {}
         preserved = in_flight_rows = from_pool = 0
         for read in hit.keys:
             rows = self._pool.read(read.spec.name, torch.from_numpy(read.slots))
+            for task_id, record in clones.items():
+                at = np.flatnonzero(read.sources == task_id)
+                if at.size:
+                    positions = record.position_of(read.slots[at].tolist())
+                    rows[torch.from_numpy(at)] = record.rows(read.spec, positions)
             with self._cond:
                 moved = self._ledger.validate(read.read_id)
                 if moved.size:

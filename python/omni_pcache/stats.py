@@ -31,6 +31,8 @@ class CacheStats:
     steps_outstanding: list[int] = field(default_factory=list)
     tasks_live: int = 0
     preserved_entries: int = 0
+    device_bytes: int = 0
+    deferred_open: int = 0
 
 
 class Counters:

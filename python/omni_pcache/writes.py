@@ -1,7 +1,8 @@
-"""One write task's journey from staging page to pool, run by the committer.
+"""One write task's journey from host rows to pool, run by the committer.
 
 A `WriteRecord` is one request's rows in one step: a row range of the step's staging page,
-claimed in the ledger for every immediate key. `PoolWriter.write` waits the step's copy,
+claimed in the ledger for every immediate key (a `omni_pcache.deferred.DeferredRecord` holds
+a request's deferred rows across steps instead). `PoolWriter.write` waits the rows' copy,
 scatters the rows the task still owns into the pool (rows stolen by a newer tenant are
 skipped), commits them, fills the copy-on-write obligations that were registered on the task
 while it was in transit, and releases its staging page.
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from omni_pcache._native import Ledger, StagingSlots, WriteTasks
+from omni_pcache._native import Ledger, WriteTasks
 from omni_pcache.copy_engine import CopyHandle
 from omni_pcache.keys import KeySpec
 from omni_pcache.pages import StagingPages
@@ -25,9 +26,10 @@ from omni_pcache.pool import HostPool
 from omni_pcache.preserve import PreservedRows
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class WriteRecord:
-    """One write task: ``num_rows`` rows of request ``req_id`` at ``start`` in ``page``."""
+    """An immediate write task: ``num_rows`` rows of request ``req_id`` at ``start`` in the
+    staging page ``page`` of step ``step_id``."""
 
     task_id: int
     step_id: int
@@ -38,9 +40,23 @@ class WriteRecord:
     keys: tuple[KeySpec, ...]
     handle: CopyHandle
     slots: torch.Tensor  # the claimed slots in row order (CPU int64)
+    pages: StagingPages
     # (key spec, slots, versions) to keep aside when written: reads captured them in transit.
     obligations: list[tuple[KeySpec, list[int], list[int]]] = field(default_factory=list)
     closed: bool = False
+    deferred = False
+
+    def prepare(self) -> None:
+        """Waits until the rows are on the host (the step's device→host copy)."""
+        self.handle.wait()
+
+    def rows(self, spec: KeySpec, positions: torch.Tensor) -> torch.Tensor:
+        """The task's rows at ``positions`` (in its row order), on the host."""
+        return self.pages.page(spec.name, self.page).index_select(0, positions + self.start)
+
+    def position_of(self, slots: list[int]) -> torch.Tensor:
+        row_of = {int(s): i for i, s in enumerate(self.slots.tolist())}
+        return torch.tensor([row_of[s] for s in slots], dtype=torch.int64)
 
 
 class PoolWriter:
@@ -50,34 +66,29 @@ class PoolWriter:
         self,
         tasks: WriteTasks,
         ledger: Ledger,
-        staging: StagingSlots,
-        pages: StagingPages,
         pool: HostPool,
         preserved: PreservedRows,
         cond: threading.Condition,
     ) -> None:
         self._tasks = tasks
         self._ledger = ledger
-        self._staging = staging
-        self._pages = pages
         self._pool = pool
         self._preserved = preserved
         self._cond = cond
         self.bytes_written: dict[str, int] = {}
 
-    def write(self, record: WriteRecord) -> None:
+    def write(self, record) -> None:
         """Copies ``record``'s owned rows into the pool and commits them (committer thread).
-        The task is COPYING on entry and WRITTEN on return; raises on any failure, leaving the
-        task for the caller to fail."""
+        ``record`` is a `WriteRecord` or a `DeferredRecord`. The task is COPYING on entry and
+        WRITTEN on return; raises on any failure, leaving the task for the caller to fail."""
         task_id = record.task_id
-        record.handle.wait()
+        record.prepare()
         self._tasks.copy_done(task_id)
         for spec in record.keys:
             positions, slots = self._ledger.owned(task_id, spec.key_id)
             if slots.size == 0:
                 continue
-            page = self._pages.page(spec.name, record.page)
-            rows = page.index_select(0, torch.from_numpy(positions + record.start))
+            rows = record.rows(spec, torch.from_numpy(positions))
             self._pool.write(spec.name, torch.from_numpy(slots), rows)
             self.bytes_written[spec.name] = self.bytes_written.get(spec.name, 0) + slots.size * spec.row_bytes
         self._tasks.written(task_id)
@@ -88,12 +99,7 @@ class PoolWriter:
             self._cond.notify_all()
         self.fill_obligations(record, obligations)
 
-    def fill_obligations(self, record: WriteRecord, obligations: list) -> None:
+    def fill_obligations(self, record, obligations: list) -> None:
         """Keeps aside the task's rows of slots a newer tenant took while a read held them."""
-        if not obligations:
-            return
-        row_of = {int(s): i for i, s in enumerate(record.slots.tolist())}
         for spec, slots, versions in obligations:
-            page = self._pages.page(spec.name, record.page)
-            index = torch.tensor([record.start + row_of[s] for s in slots], dtype=torch.int64)
-            self._preserved.fill(spec.name, slots, versions, page.index_select(0, index))
+            self._preserved.fill(spec.name, slots, versions, record.rows(spec, record.position_of(slots)))

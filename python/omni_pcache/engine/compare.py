@@ -62,7 +62,8 @@ def compare(cached: EngineResult, reference: EngineResult, atol: float) -> Compa
         if worst > atol or proj_diff > atol:
             first = int(torch.nonzero(diff.amax(-1) > atol)[0]) if worst > atol else -1
             result.mismatches.append(
-                f"{req_id}: rows differ from the reference (max |diff| {max(worst, proj_diff):.3g}, first bad position {first})"
+                f"{req_id}: rows differ from the reference "
+                f"(max |diff| {max(worst, proj_diff):.3g}, first bad position {first})"
             )
         result.requests_checked += 1
         result.rows_checked += n

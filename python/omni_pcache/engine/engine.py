@@ -46,6 +46,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     model: str = "transformer"
     output_thread: bool = False
+    deferred_proj: bool = False  # keep the "proj" key on the device until its request finishes
+    device_budget_bytes: int = 512 << 20
     seed: int = 0
     max_steps: int = 100_000
 
@@ -100,8 +102,10 @@ class Engine:
                 block_size=config.block_size,
                 staging_capacity_tokens=config.max_num_batched_tokens,
                 claim_timeout_s=60.0,
+                device_budget_bytes=config.device_budget_bytes,
             )
-            self.cache = PrefixCache(cache_config, CachePolicy(token_keys=frozenset({"proj"})))
+            deferred = frozenset({"proj"}) if config.deferred_proj else frozenset()
+            self.cache = PrefixCache(cache_config, CachePolicy(token_keys=frozenset({"proj"}), deferred_keys=deferred))
         self.outputs: dict[str, RequestOutput] = {}
         self._reference_rows: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._lock = threading.Lock()
@@ -220,6 +224,9 @@ class Engine:
                     progress(sum(1 for r in requests if r.is_done), len(requests))
             if previous is not None:
                 self._hand_off(previous, inbox)
+            last = self.scheduler.schedule(step)  # reports what finished in the last step
+            if self.cache is not None and last.finished:
+                self.cache.begin_step(StepEvents(finished=last.finished))
         finally:
             if inbox is not None and worker is not None:
                 inbox.put(None)

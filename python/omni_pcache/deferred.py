@@ -1,0 +1,143 @@
+"""Deferred keys: per-token rows kept on the device across a request's steps, written to the
+pool in one go when the request finishes or aborts, or earlier when the device budget needs
+room (oldest first).
+
+At save, each deferred key's rows of the whole step are cloned once on the device (`Clone`);
+every request of the step holds a view of that clone, so it is charged to the `DeviceBudget`
+once and uncharged when its last holder has written. Each live request has at most one open
+`DeferredRecord` (a write task that stays PENDING while it collects chunks); a flush queues it,
+and the committer copies its rows to the host in ``copy_chunk_bytes`` pieces (one series of
+copies per key) and scatters them like any write. Until then, reads of those rows are served
+from the clone.
+
+Threads: records are opened, extended and flushed on the engine thread; the committer writes
+them and releases their clones; readers read clones (immutable once made) from any thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from omni_pcache.copy_engine import empty_host
+from omni_pcache.keys import KeySpec
+
+
+class DeviceBudget:
+    """Bytes of deferred clones alive on the device, against ``device_budget_bytes``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._cond = threading.Condition()
+
+    def charge(self, nbytes: int) -> None:
+        with self._cond:
+            self.used += nbytes
+
+    def uncharge(self, nbytes: int) -> None:
+        with self._cond:
+            self.used -= nbytes
+            self._cond.notify_all()
+
+    def wait_for_room(self, nbytes: int, deadline: float) -> bool:
+        """Waits until ``nbytes`` more fit (any thread but the committer). False on timeout."""
+        with self._cond:
+            while self.used + nbytes > self.limit:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return True
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+
+@dataclass(slots=True, eq=False)
+class Clone:
+    """One step's rows of one deferred key, on the device; shared by the step's requests."""
+
+    tensor: torch.Tensor
+    holders: int
+    budget: DeviceBudget
+    owners: list = field(default_factory=list)  # the DeferredRecords holding a view
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def release(self) -> None:
+        """One holder is done; the last one uncharges the budget."""
+        self.holders -= 1
+        if self.holders == 0:
+            self.budget.uncharge(self.nbytes)
+
+
+@dataclass(slots=True, eq=False)
+class DeferredRecord:
+    """One request's deferred rows since its last flush: a write task of the deferred keys."""
+
+    task_id: int
+    req_id: str
+    step_id: int  # the step that opened it (flush order: oldest first)
+    keys: tuple[KeySpec, ...]
+    copy_chunk_bytes: int
+    chunks: dict[str, list[tuple[Clone, int, int]]] = field(default_factory=dict)
+    slots: list[torch.Tensor] = field(default_factory=list)
+    num_rows: int = 0
+    flushed: bool = False
+    closed: bool = False
+    obligations: list = field(default_factory=list)
+    host: dict[str, torch.Tensor] = field(default_factory=dict)
+    released: bool = False
+    deferred = True
+
+    def append(self, clones: dict[str, Clone], start: int, count: int, slots: torch.Tensor) -> None:
+        """Adds one step's rows ``[start, start + count)`` of each key's clone (engine thread)."""
+        for spec in self.keys:
+            self.chunks.setdefault(spec.name, []).append((clones[spec.name], start, count))
+        self.slots.append(slots)
+        self.num_rows += count
+
+    def _device_rows(self, spec: KeySpec) -> torch.Tensor:
+        return torch.cat([clone.tensor[start : start + count] for clone, start, count in self.chunks[spec.name]])
+
+    def prepare(self) -> None:
+        """Copies every key's rows to the host in ``copy_chunk_bytes`` pieces (committer)."""
+        for spec in self.keys:
+            rows = self._device_rows(spec)
+            if not rows.is_cuda:
+                self.host[spec.name] = rows
+                continue
+            host = empty_host(tuple(rows.shape), rows.dtype)
+            per_piece = max(1, self.copy_chunk_bytes // max(spec.row_bytes, 1))
+            for first in range(0, rows.shape[0], per_piece):
+                host[first : first + per_piece].copy_(rows[first : first + per_piece])
+            self.host[spec.name] = host
+
+    def rows(self, spec: KeySpec, positions: torch.Tensor) -> torch.Tensor:
+        """Rows at ``positions`` (in the record's row order), on the host (any thread)."""
+        source = self.host.get(spec.name)
+        if source is None:
+            source = self._device_rows(spec)
+        return source.index_select(0, positions.to(source.device)).cpu()
+
+    def position_of(self, slots: list[int]) -> torch.Tensor:
+        """Positions of ``slots`` (the newest, if a slot was claimed twice)."""
+        row_of = {int(s): i for i, s in enumerate(torch.cat(self.slots).tolist())}
+        return torch.tensor([row_of[s] for s in slots], dtype=torch.int64)
+
+    def release(self) -> None:
+        """Drops the record's holds on its clones (after its write, or on failure); idempotent.
+        The views themselves stay readable for a reader that already holds this record."""
+        if self.released:
+            return
+        self.released = True
+        for spec in self.keys:
+            for clone, _, _ in self.chunks.get(spec.name, []):
+                clone.release()
