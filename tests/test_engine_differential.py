@@ -33,6 +33,20 @@ SCENARIOS = [
     ),
     ("output-thread", EngineConfig(num_blocks=32, output_thread=True), "mixed", 60, 0.15),
     ("small-blocks", EngineConfig(num_blocks=96, block_size=4), "chat", 40, 0.1),
+    (
+        "deferred-preemption-heavy",
+        EngineConfig(num_blocks=20, max_num_batched_tokens=128, deferred_proj=True, device_budget_bytes=6000),
+        "mixed",
+        50,
+        0.1,
+    ),
+    (
+        "deferred-abort-heavy",
+        EngineConfig(num_blocks=40, deferred_proj=True, device_budget_bytes=10000, output_thread=True),
+        "chat",
+        50,
+        0.4,
+    ),
 ]
 
 
@@ -52,6 +66,7 @@ def check(config, workload, num_requests, seed, abort_rate):
     assert stats is not None
     assert stats.staging_holders == [[]] * len(stats.staging_holders), "every staging page free at the end"
     assert stats.steps_outstanding == []
+    assert stats.device_bytes == 0 and stats.deferred_open == 0, "device budget back to 0 bytes"
     return cached, result
 
 
@@ -63,7 +78,7 @@ def test_prefix_hash_rows_equal_the_reference_exactly(name, config, workload, nu
     config = replace(config, model="prefix-hash")
     cached, result = check(config, workload, num_requests, seed, abort_rate)
     assert result.rows_checked > 0
-    if name == "eviction-and-preemption":
+    if name in ("eviction-and-preemption", "deferred-preemption-heavy"):
         assert cached.evictions > 0 and cached.preemptions > 0, "the scenario must force both"
     if name == "aborts":
         assert any(r.status.value == "aborted" for r in cached.requests.values())

@@ -1,0 +1,158 @@
+"""Full sequence in every case: deferred keys under a device budget, finish and abort,
+preempted-and-resumed requests, async-chunk continuation, tenant succession."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+from cachekit import describe, rows, slots_of, small_cache
+from omni_pcache import CachePolicy, NewRequest, ResumedRequest, StepBatch, StepEvents
+
+BS = 4
+DEFERRED = CachePolicy(deferred_keys={"codes"}, token_keys={"codes"})
+
+
+def save(cache, reqs, new=(), resumed=(), finished=()):
+    """begin_step + save; ``reqs``: (req_id, block_ids, start position, count, writer)."""
+    cache.begin_step(StepEvents(new=list(new), resumed=list(resumed), finished=list(finished)))
+    hidden = torch.cat([rows(w, s, c) for _, _, s, c, w in reqs])
+    codes = torch.cat([rows(w, s, c, width=2, dtype=torch.int64) for _, _, s, c, w in reqs])
+    slots = np.concatenate([slots_of(b, s, c, BS) for _, b, s, c, _ in reqs])
+    return cache.save(hidden, {"codes": codes}, StepBatch([r for r, *_ in reqs], [c for *_, c, _ in reqs], slots))
+
+
+def spans(*pieces):
+    return torch.cat([rows(w, s, c) for w, s, c in pieces])
+
+
+def spans_codes(*pieces):
+    return torch.cat([rows(w, s, c, width=2, dtype=torch.int64) for w, s, c in pieces])
+
+
+def check(out, req, *pieces):
+    assert describe(out.hidden[req]) == describe(spans(*pieces))
+    assert torch.equal(out.hidden[req], spans(*pieces))
+    assert torch.equal(out.mm["codes"][req], spans_codes(*pieces))
+
+
+def test_deferred_rows_are_served_from_the_clone_then_flushed_at_finish() -> None:
+    with small_cache(policy=DEFERRED) as cache:
+        step = save(
+            cache, [("a", [0, 1], 0, 6, 1), ("x", [5], 0, 2, 9)], new=[NewRequest("a", [0, 1]), NewRequest("x", [5])]
+        )
+        check(cache.materialize(step, ["a"]), "a", (1, 0, 6))
+        stats = cache.stats()
+        assert stats.device_bytes == 8 * 2 * 8, "one clone of the step's 8 rows, charged once for two requests"
+        assert stats.deferred_open == 2
+        # b hits a's first block while a is still running: its codes come from a's clone.
+        step = save(cache, [("b", [0, 2], 4, 2, 2)], new=[NewRequest("b", [0, 2], 4)])
+        check(cache.materialize(step, ["b"]), "b", (1, 0, 4), (2, 4, 2))
+        cache.flush()
+        assert cache.stats().bytes_written.get("codes", 0) == 0, "deferred rows wait for their request"
+        step = save(cache, [("c", [6], 0, 1, 3)], new=[NewRequest("c", [6])], finished=["a", "x", "b"])
+        cache.discard(step)
+        cache.flush()
+        stats = cache.stats()
+        assert stats.bytes_written["codes"] == (6 + 2 + 2) * 2 * 8
+        assert stats.deferred_open == 1 and stats.device_bytes == 1 * 2 * 8, "only c's clone is left"
+        step = save(cache, [("d", [0, 7], 4, 1, 4)], new=[NewRequest("d", [0, 7], 4)], finished=["c"])
+        check(cache.materialize(step, ["d"]), "d", (1, 0, 4), (4, 4, 1))
+        cache.begin_step(StepEvents(finished=["d"]))
+        cache.flush()
+        assert cache.stats().device_bytes == 0 and cache.stats().deferred_open == 0
+
+
+def test_the_budget_flushes_the_oldest_deferred_request_first() -> None:
+    step_bytes = 4 * 2 * 8  # 4 rows of int64 (2,)
+    with small_cache(policy=DEFERRED, device_budget_bytes=2 * step_bytes) as cache:
+        cache.discard(save(cache, [("a", [0], 0, 4, 1)], new=[NewRequest("a", [0])]))
+        cache.discard(save(cache, [("b", [1], 0, 4, 2)], new=[NewRequest("b", [1])]))
+        assert cache.stats().device_bytes == 2 * step_bytes
+        cache.discard(save(cache, [("c", [2], 0, 4, 3)], new=[NewRequest("c", [2])]))
+        stats = cache.stats()
+        assert stats.device_bytes == 2 * step_bytes, "a was flushed to make room for c"
+        assert stats.bytes_written["codes"] == step_bytes and stats.num_waits == 1
+        # a keeps running: its next rows open a new deferred record, and a hit reads both.
+        cache.discard(save(cache, [("a", [0, 3], 4, 2, 1)]))
+        # e hits block 0, whose deferred rows a flushed to the pool.
+        step = save(cache, [("e", [0, 7], 4, 1, 5)], new=[NewRequest("e", [0, 7], 4)])
+        check(cache.materialize(step, ["e"]), "e", (1, 0, 4), (5, 4, 1))
+
+
+def test_an_aborted_request_mid_write_still_lands_and_can_be_hit() -> None:
+    with small_cache() as cache:
+        gate = threading.Event()
+        write = cache._writer.write
+        cache._writer.write = lambda record: (gate.wait(10), write(record))
+        step = save(cache, [("a", [0, 1], 0, 8, 1)], new=[NewRequest("a", [0, 1])])
+        cache.discard(step)
+        cache.begin_step(StepEvents(finished=["a"]))  # aborted while its write is queued
+        gate.set()
+        step = save(cache, [("b", [0, 1, 2], 8, 1, 2)], new=[NewRequest("b", [0, 1, 2], 8)])
+        check(cache.materialize(step, ["b"]), "b", (1, 0, 8), (2, 8, 1))
+
+
+def test_resume_does_not_repeat_delivered_rows() -> None:
+    with small_cache() as cache:
+        cache.materialize(save(cache, [("a", [0, 1, 2], 0, 10, 1)], new=[NewRequest("a", [0, 1, 2])]), ["a"])
+        # Preempted; resumed with a hit on its first block: it recomputes from 4, but [4, 10)
+        # was already delivered, so the consumer gets only rows from 10 on.
+        step = save(cache, [("a", [0, 5, 6], 4, 7, 2)], resumed=[ResumedRequest("a", [0, 5, 6], 4)])
+        check(cache.materialize(step, ["a"]), "a", (2, 10, 1))
+
+
+def test_resume_reads_skipped_but_undelivered_rows_from_the_pool() -> None:
+    with small_cache() as cache:
+        first = save(cache, [("a", [0, 1, 2], 0, 10, 1)], new=[NewRequest("a", [0, 1, 2])])
+        cache.discard(first)  # nobody consumed them; delivered_upto still counts them
+        cache.materialize(save(cache, [("z", [9], 0, 1, 9)], new=[NewRequest("z", [9])]), ["z"])
+        # A second request that was preempted before delivering anything resumes with a hit.
+        cache.materialize(save(cache, [("b", [0, 3], 0, 5, 2)], new=[NewRequest("b", [0, 3])]), ["b"])
+        step = save(cache, [("b", [0, 1, 4], 8, 3, 3)], resumed=[ResumedRequest("b", [0, 1, 4], 8)])
+        # b had delivered [0, 5); it resumes at 8 (hit on a's blocks 0 and 1): rows [5, 8) come
+        # from the pool (written by a), then this step's rows.
+        check(cache.materialize(step, ["b"]), "b", (1, 5, 3), (3, 8, 3))
+
+
+def test_async_chunk_continuation_gets_exactly_its_undelivered_rows() -> None:
+    with small_cache() as cache:
+        check(
+            cache.materialize(save(cache, [("a", [0, 1], 0, 6, 1)], new=[NewRequest("a", [0, 1])]), ["a"]),
+            "a",
+            (1, 0, 6),
+        )
+        # The next upstream chunk arrives: "a" re-enters as new with what it computed itself.
+        step = save(cache, [("a", [0, 1, 2], 6, 4, 2)], new=[NewRequest("a", [0, 1, 2], 6)])
+        out = cache.materialize(step, ["a"])
+        check(out, "a", (2, 6, 4))
+        assert cache.stats().hits == 0, "a continuation is not a hit"
+
+
+def test_tenants_finishing_in_reverse_order_newest_wins() -> None:
+    with small_cache(policy=DEFERRED) as cache:
+        cache.discard(save(cache, [("old", [0], 0, 4, 1)], new=[NewRequest("old", [0])]))
+        # Block 0 gets a new tenant while the old one's deferred rows are still on the device.
+        cache.discard(save(cache, [("new", [0], 0, 4, 2)], new=[NewRequest("new", [0])]))
+        cache.begin_step(StepEvents(finished=["new"]))
+        cache.flush()
+        cache.begin_step(StepEvents(finished=["old"]))  # the older tenant finishes last
+        cache.flush()
+        step = save(cache, [("r", [0, 1], 4, 1, 3)], new=[NewRequest("r", [0, 1], 4)])
+        check(cache.materialize(step, ["r"]), "r", (2, 0, 4), (3, 4, 1))
+
+
+def test_a_request_reacquiring_a_lost_block_writes_rows_that_win() -> None:
+    with small_cache(policy=DEFERRED) as cache:
+        cache.discard(save(cache, [("a", [0], 0, 4, 1)], new=[NewRequest("a", [0])]))
+        cache.discard(save(cache, [("i", [0], 0, 4, 2)], new=[NewRequest("i", [0])]))  # interim tenant
+        # a (preempted) resumes, gets block 0 back and recomputes it: fresh rows, newest claim.
+        cache.discard(save(cache, [("a", [0], 0, 4, 3)], resumed=[ResumedRequest("a", [0], 0)]))
+        cache.begin_step(StepEvents(finished=["a"]))
+        cache.flush()
+        cache.begin_step(StepEvents(finished=["i"]))
+        cache.flush()
+        step = save(cache, [("r", [0, 1], 4, 1, 4)], new=[NewRequest("r", [0, 1], 4)])
+        check(cache.materialize(step, ["r"]), "r", (3, 0, 4), (4, 4, 1))
