@@ -45,6 +45,10 @@ loom:
 bench:
     cargo bench -p pcache-core --bench core
 
+# Python benchmarks of the cache's engine-thread cost (writes benches/results/*.json).
+bench-py: setup develop
+    python benches/save_overhead.py
+
 # Build the abi3 wheel into dist/ (what `pip install .` builds).
 wheel: setup
     maturin build --release --out dist

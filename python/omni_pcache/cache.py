@@ -132,7 +132,7 @@ class PrefixCache:
         timeout = self._config.claim_timeout_s if timeout_s is None else timeout_s
         with self._cond:
             open_ids = {
-                t for t, r in self._records.items() if not r.closed and not (r.deferred and not r.flushed)
+                t for t, r in self._records.items() if not r.done and not (r.deferred and not r.flushed)
             }
         if open_ids:
             self._wait_tasks(open_ids, time.monotonic() + timeout)
@@ -406,6 +406,9 @@ class PrefixCache:
         else:
             self._staging.release(record.page, ("task", task_id))
         self._tasks.complete(task_id)
+        with self._cond:
+            record.done = True
+            self._cond.notify_all()
 
     def _on_write_failure(self, task_id: int, exc: BaseException) -> None:
         """Makes the failure sticky and releases every page and waiter (committer thread)."""
@@ -455,7 +458,7 @@ class PrefixCache:
             while True:
                 if self._failure is not None:
                     raise self._failure
-                open_ids = [t for t in task_ids if t in self._records and not self._records[t].closed]
+                open_ids = [t for t in task_ids if t in self._records and not self._records[t].done]
                 if not open_ids:
                     break
                 remaining = deadline - time.monotonic()

@@ -91,7 +91,8 @@ class DeferredRecord:
     slots: list[torch.Tensor] = field(default_factory=list)
     num_rows: int = 0
     flushed: bool = False
-    closed: bool = False
+    closed: bool = False  # rows committed in the pool (ledger lock)
+    done: bool = False  # and its staging page or clones released: nothing left to wait for
     obligations: list = field(default_factory=list)
     host: dict[str, torch.Tensor] = field(default_factory=dict)
     released: bool = False

@@ -43,7 +43,8 @@ class WriteRecord:
     pages: StagingPages
     # (key spec, slots, versions) to keep aside when written: reads captured them in transit.
     obligations: list[tuple[KeySpec, list[int], list[int]]] = field(default_factory=list)
-    closed: bool = False
+    closed: bool = False  # rows committed in the pool (ledger lock)
+    done: bool = False  # and its staging page or clones released: nothing left to wait for
     deferred = False
 
     def prepare(self) -> None:
