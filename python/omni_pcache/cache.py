@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -108,6 +109,8 @@ class PrefixCache:
         self._closed = False
         self._counters = Counters()
         self._committer = Committer(self._tasks, self._write_task, self._on_write_failure, config.threaded)
+        # A cache dropped without close() still stops its committer (before interpreter exit).
+        self._finalizer = weakref.finalize(self, self._committer.stop, config.claim_timeout_s)
 
     # ---- context manager and lifecycle -------------------------------------------------
 
@@ -144,7 +147,7 @@ class PrefixCache:
         if self._closed:
             return
         self._closed = True
-        self._committer.stop(self._config.claim_timeout_s)
+        self._finalizer()  # stops the committer once
         self._staging.close()
         with self._cond:
             self._cond.notify_all()
@@ -302,9 +305,9 @@ class PrefixCache:
 
     def _claim_page(self, step_id: int) -> int:
         try:
-            return self._staging.claim(("step", step_id), 0.0)
-        except StagingTimeoutError:
-            pass
+            page = self._staging.try_claim(("step", step_id))
+            if page is not None:
+                return page
         except CacheClosedError:
             self._steps.consume(step_id)
             raise self._failure or CacheClosedError("the cache is closed") from None

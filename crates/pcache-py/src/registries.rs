@@ -92,6 +92,16 @@ impl StagingSlots {
         py.detach(|| self.inner.claim(holder, timeout)).py_err()
     }
 
+    /// Takes the next free slot for `holder` if one is free now, else returns `None` (the
+    /// fast path of `claim`: no exception is built when the ring is full).
+    fn try_claim(&self, holder: (String, u64)) -> PyResult<Option<usize>> {
+        match self.inner.claim(parse_holder(holder)?, Duration::ZERO) {
+            Ok(slot) => Ok(Some(slot)),
+            Err(pcache_core::Error::StagingTimeout { .. }) => Ok(None),
+            Err(other) => Err(other).py_err(),
+        }
+    }
+
     /// Adds a holder to a slot.
     fn hold(&self, slot: usize, holder: (String, u64)) -> PyResult<()> {
         self.inner.hold(slot, parse_holder(holder)?).py_err()
