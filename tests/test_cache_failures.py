@@ -28,7 +28,7 @@ def test_a_failed_write_is_sticky_and_releases_everything(threaded: bool, where:
     if where == "pool_write":
         cache._pool.write = fail
     else:
-        cache._writer.write = fail
+        cache._writer.write_batch = fail
     cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
     first = save_one(cache)
     with pytest.raises(WriteFailedError, match=r"write task#0 \(request 'a', step 0\) failed.*disk on fire") as err:
@@ -53,13 +53,13 @@ def test_a_failed_write_is_sticky_and_releases_everything(threaded: bool, where:
 def test_a_save_waiting_for_a_page_wakes_when_a_write_fails() -> None:
     cache = small_cache(staging_depth=1, claim_timeout_s=30.0)
     gate = threading.Event()
-    write = cache._writer.write
+    write = cache._writer.write_batch
 
     def slow_then_fail(record):
         gate.wait(10)
         raise OSError("injected")
 
-    cache._writer.write = slow_then_fail
+    cache._writer.write_batch = slow_then_fail
     cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
     save_one(cache)
     errors = []
@@ -76,7 +76,7 @@ def test_a_save_waiting_for_a_page_wakes_when_a_write_fails() -> None:
     waiter.join(10)
     assert not waiter.is_alive(), "the waiting save hung"
     assert len(errors) == 1 and isinstance(errors[0], WriteFailedError)
-    cache._writer.write = write
+    cache._writer.write_batch = write
     cache.close()
 
 
@@ -90,7 +90,7 @@ def test_a_materialize_waiting_on_a_write_wakes_when_it_fails() -> None:
         gate.wait(10)
         raise OSError("injected")
 
-    cache._writer.write = slow_then_fail
+    cache._writer.write_batch = slow_then_fail
     # b hits block 0 while a computes it in the same step: materialize must wait for a's write.
     cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1]), NewRequest("b", [0, 2], 4)]))
     sid = cache.save(torch.ones(6, 2), {}, StepBatch(["a", "b"], [5, 1], np.array([0, 1, 2, 3, 4, 8])))

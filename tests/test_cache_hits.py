@@ -116,13 +116,13 @@ def test_a_late_read_of_a_block_reused_while_its_write_was_in_flight() -> None:
     # rows, and c's rows must win in the pool.
     with small_cache() as cache:
         gate = threading.Event()
-        write = cache._writer.write
+        write = cache._writer.write_batch
 
         def gated_write(record):
             assert gate.wait(10), "test gate never opened"
             write(record)
 
-        cache._writer.write = gated_write
+        cache._writer.write_batch = gated_write
         step = run_step(
             cache,
             [NewRequest("a", [0, 1]), NewRequest("b", [0, 2], 4)],

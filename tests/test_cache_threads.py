@@ -30,8 +30,8 @@ def test_the_committer_thread_writes_the_pool_and_save_does_not_wait_for_it() ->
     with small_cache() as cache:
         writers = recording_pool_writes(cache)
         gate = threading.Event()
-        write = cache._writer.write
-        cache._writer.write = lambda record: (gate.wait(10), write(record))
+        write = cache._writer.write_batch
+        cache._writer.write_batch = lambda record: (gate.wait(10), write(record))
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
         sid = cache.save(torch.ones(4, 2), {}, StepBatch(["a"], [4], np.arange(4)))
         # save returned while its write is blocked on the committer thread

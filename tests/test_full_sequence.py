@@ -85,8 +85,8 @@ def test_the_budget_flushes_the_oldest_deferred_request_first() -> None:
 def test_an_aborted_request_mid_write_still_lands_and_can_be_hit() -> None:
     with small_cache() as cache:
         gate = threading.Event()
-        write = cache._writer.write
-        cache._writer.write = lambda record: (gate.wait(10), write(record))
+        write = cache._writer.write_batch
+        cache._writer.write_batch = lambda record: (gate.wait(10), write(record))
         step = save(cache, [("a", [0, 1], 0, 8, 1)], new=[NewRequest("a", [0, 1])])
         cache.discard(step)
         cache.begin_step(StepEvents(finished=["a"]))  # aborted while its write is queued

@@ -108,7 +108,7 @@ class PrefixCache:
         self._failure: WriteFailedError | None = None
         self._closed = False
         self._counters = Counters()
-        self._committer = Committer(self._tasks, self._write_task, self._on_write_failure, config.threaded)
+        self._committer = Committer(self._tasks, self._write_tasks, self._on_write_failure, config.threaded)
         # A cache dropped without close() still stops its committer (before interpreter exit).
         self._finalizer = weakref.finalize(self, self._committer.stop, config.claim_timeout_s)
 
@@ -134,9 +134,7 @@ class PrefixCache:
         Raises `WriteFailedError` if a write failed, `WriteTimeoutError` on timeout."""
         timeout = self._config.claim_timeout_s if timeout_s is None else timeout_s
         with self._cond:
-            open_ids = {
-                t for t, r in self._records.items() if not r.done and not (r.deferred and not r.flushed)
-            }
+            open_ids = {t for t, r in self._records.items() if not r.done and not (r.deferred and not r.flushed)}
         if open_ids:
             self._wait_tasks(open_ids, time.monotonic() + timeout)
         elif self._failure is not None:
@@ -399,18 +397,21 @@ class PrefixCache:
 
     # ---- committer thread --------------------------------------------------------------
 
-    def _write_task(self, task_id: int) -> None:
+    def _write_tasks(self, task_ids: list[int]) -> None:
+        """Writes a batch of queued tasks and releases their pages or clones (committer)."""
         if self._failure is not None:
             raise self._failure
-        record = self._records[task_id]
-        self._writer.write(record)
-        if record.deferred:
-            record.release()
-        else:
-            self._staging.release(record.page, ("task", task_id))
-        self._tasks.complete(task_id)
+        records = [self._records[t] for t in task_ids]
+        self._writer.write_batch(records)
+        for record in records:
+            if record.deferred:
+                record.release()
+            else:
+                self._staging.release(record.page, ("task", record.task_id))
+            self._tasks.complete(record.task_id)
         with self._cond:
-            record.done = True
+            for record in records:
+                record.done = True
             self._cond.notify_all()
 
     def _on_write_failure(self, task_id: int, exc: BaseException) -> None:

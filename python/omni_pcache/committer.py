@@ -1,10 +1,11 @@
 """The committer: the one thread that writes the pool.
 
 It pops write tasks from the native copy queues (escalated first, then high, then low) and
-hands each to a write function. ``threaded=False`` runs the same loop inline, on the caller's
+hands what is queued, in pop order, to a write function as one batch. ``threaded=False``
+runs the same loop inline, on the caller's
 thread, until the queues are empty (debugging; the engine thread then pays for pool writes).
 
-A write that raises is reported to ``on_failure`` (which makes the cache's failure sticky and
+A batch that raises is reported to ``on_failure`` with its first task (which makes the cache's failure sticky and
 releases everything); the committer then keeps draining so every queued task is settled.
 """
 
@@ -20,12 +21,15 @@ logger = logging.getLogger("omni_pcache")
 
 
 class Committer:
-    """Runs ``write(task_id)`` for every queued task, on its own thread or inline."""
+    """Runs ``write(task_ids)`` for every queued task, in batches of what is queued (up to
+    ``max_batch``), on its own thread or inline."""
+
+    max_batch = 64
 
     def __init__(
         self,
         tasks: WriteTasks,
-        write: Callable[[int], None],
+        write: Callable[[list[int]], None],
         on_failure: Callable[[int, BaseException], None],
         threaded: bool,
     ) -> None:
@@ -49,11 +53,16 @@ class Committer:
             self._drain()
 
     def _drain(self) -> None:
-        while (task_id := self._tasks.pop()) is not None:
+        while True:
+            batch: list[int] = []
+            while len(batch) < self.max_batch and (task_id := self._tasks.pop()) is not None:
+                batch.append(task_id)
+            if not batch:
+                return
             try:
-                self._write(task_id)
+                self._write(batch)
             except BaseException as exc:  # reported, made sticky by the cache
-                self._on_failure(task_id, exc)
+                self._on_failure(batch[0], exc)
 
     def _run(self) -> None:
         while True:

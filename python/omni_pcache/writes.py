@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from omni_pcache._native import Ledger, WriteTasks
@@ -78,27 +79,57 @@ class PoolWriter:
         self._cond = cond
         self.bytes_written: dict[str, int] = {}
 
-    def write(self, record) -> None:
-        """Copies ``record``'s owned rows into the pool and commits them (committer thread).
-        ``record`` is a `WriteRecord` or a `DeferredRecord`. The task is COPYING on entry and
-        WRITTEN on return; raises on any failure, leaving the task for the caller to fail."""
-        task_id = record.task_id
-        record.prepare()
-        self._tasks.copy_done(task_id)
-        for spec in record.keys:
-            positions, slots = self._ledger.owned(task_id, spec.key_id)
-            if slots.size == 0:
-                continue
-            rows = record.rows(spec, torch.from_numpy(positions))
-            self._pool.write(spec.name, torch.from_numpy(slots), rows)
-            self.bytes_written[spec.name] = self.bytes_written.get(spec.name, 0) + slots.size * spec.row_bytes
-        self._tasks.written(task_id)
+    def write_batch(self, records: list) -> None:
+        """Copies the owned rows of ``records`` into the pool and commits them (committer thread).
+
+        Records are `WriteRecord`s or `DeferredRecord`s, each COPYING on entry and WRITTEN on
+        return. Immediate records of one step share a staging page, so their rows move with one
+        gather and one scatter per key. Raises on any failure, leaving the tasks for the caller
+        to fail.
+        """
+        for record in records:
+            record.prepare()
+            self._tasks.copy_done(record.task_id)
+        groups: dict[tuple, list] = {}
+        for record in records:
+            key = ("page", record.step_id) if not record.deferred else ("deferred", record.task_id)
+            groups.setdefault(key, []).append(record)
+        for group in groups.values():
+            for spec in group[0].keys:
+                self._scatter(spec, group)
+        for record in records:
+            self._tasks.written(record.task_id)
+        obligations = []
         with self._cond:
-            self._ledger.commit(task_id)
-            obligations, record.obligations = record.obligations, []
-            record.closed = True
+            for record in records:
+                self._ledger.commit(record.task_id)
+                obligations.append((record, record.obligations))
+                record.obligations = []
+                record.closed = True
             self._cond.notify_all()
-        self.fill_obligations(record, obligations)
+        for record, owed in obligations:
+            self.fill_obligations(record, owed)
+
+    def _scatter(self, spec: KeySpec, group: list) -> None:
+        """One gather from the group's host rows and one scatter into the pool for ``spec``."""
+        positions, slots = [], []
+        for record in group:
+            p, s = self._ledger.owned(record.task_id, spec.key_id)
+            positions.append(p + (record.start if not record.deferred else 0))
+            slots.append(s)
+        slot_ids = np.concatenate(slots)
+        if slot_ids.size == 0:
+            return
+        if group[0].deferred:
+            rows = group[0].rows(spec, torch.from_numpy(positions[0]))
+        else:
+            rows = (
+                group[0]
+                .pages.page(spec.name, group[0].page)
+                .index_select(0, torch.from_numpy(np.concatenate(positions)))
+            )
+        self._pool.write(spec.name, torch.from_numpy(slot_ids), rows)
+        self.bytes_written[spec.name] = self.bytes_written.get(spec.name, 0) + slot_ids.size * spec.row_bytes
 
     def fill_obligations(self, record, obligations: list) -> None:
         """Keeps aside the task's rows of slots a newer tenant took while a read held them."""
