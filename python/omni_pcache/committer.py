@@ -1,12 +1,13 @@
 """The committer: the one thread that writes the pool.
 
 It pops write tasks from the native copy queues (escalated first, then high, then low) and
-hands what is queued, in pop order, to a write function as one batch. ``threaded=False``
-runs the same loop inline, on the caller's
-thread, until the queues are empty (debugging; the engine thread then pays for pool writes).
+hands what is queued, in pop order, to a write function as one batch. ``threaded=False`` runs
+the same loop inline, on the caller's thread, until the queues are empty (debugging; the
+engine thread then pays for pool writes).
 
-A batch that raises is reported to ``on_failure`` with its first task (which makes the cache's failure sticky and
-releases everything); the committer then keeps draining so every queued task is settled.
+A batch that raises is reported to ``on_failure`` with its first task (which makes the cache's
+failure sticky and releases everything); the committer then keeps draining so every queued
+task is settled.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@
 //! committer), in the order `owned` → scatter → `commit`.
 
 use std::collections::HashMap;
+use std::ops::Range;
 
 use crate::error::{Error, Result};
 use crate::ids::{KeyId, ReadId, TaskId};
@@ -119,7 +120,235 @@ pub struct ReadPlan {
     pub versions: Vec<u64>,
 }
 
-/// Per-key columns, one entry per slot.
+/// The [`ReadPlan`] source code of an owner: `owner - 2` (absent → -2, pool → -1, task
+/// `t` → `t`), the same as `Source::from_owner(owner).code()` without a branch.
+fn source_code(owner: u64) -> i64 {
+    owner.wrapping_sub(OWNER_TASK_BASE) as i64
+}
+
+/// A run of consecutive slot ids `start, start + 1, .., start + len - 1` (`len >= 1`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Run {
+    start: u32,
+    len: u32,
+}
+
+impl Run {
+    fn range(self) -> Range<usize> {
+        self.start as usize..self.start as usize + self.len as usize
+    }
+}
+
+/// Runs shorter than this are handled slot by slot: for them, setting up the per-run loops
+/// costs more than it saves.
+const SHORT_RUN: u32 = 4;
+
+/// Collects slot ids, in order, into maximal runs of consecutive ids.
+struct RunBuilder {
+    runs: Vec<Run>,
+    /// Runs written so far (`runs` grows ahead of them, see [`RunBuilder::emit`]).
+    done: usize,
+    /// The current run, `start..end`; empty (`start == end`) before the first id.
+    start: u32,
+    end: u32,
+}
+
+impl RunBuilder {
+    fn new() -> Self {
+        Self {
+            runs: Vec::new(),
+            done: 0,
+            start: 0,
+            end: 0,
+        }
+    }
+
+    /// Adds the ids `first..first + len` (`first + len <= num_slots`, so no overflow).
+    #[inline]
+    fn add(&mut self, first: u32, len: u32) {
+        if first != self.end {
+            self.emit();
+            self.start = first;
+        }
+        self.end = first + len;
+    }
+
+    /// Writes out the current run, if any. The vector is grown in steps and written by
+    /// index rather than pushed to: a push per slot is several times slower here.
+    fn emit(&mut self) {
+        if self.end != self.start {
+            if self.done == self.runs.len() {
+                let grown = (2 * self.done).max(16);
+                self.runs.resize(grown, Run { start: 0, len: 0 });
+            }
+            self.runs[self.done] = Run {
+                start: self.start,
+                len: self.end - self.start,
+            };
+            self.done += 1;
+        }
+    }
+
+    fn finish(mut self) -> Vec<Run> {
+        self.emit();
+        self.runs.truncate(self.done);
+        self.runs
+    }
+}
+
+/// Slots checked at once by [`blocks_to_runs`]'s fast path.
+const CHUNK: usize = 8;
+
+/// Slots [`split_runs`] looks at to tell a list of blocks from a scattered one.
+const SAMPLE: usize = 64;
+
+/// Checks that every slot is in `[0, num_slots)` and splits the list into runs of
+/// consecutive ids, in list order. The error is for the first bad position, as
+/// [`Error::SlotOutOfRange`] documents.
+///
+/// Runs need not be maximal: a list whose first [`SAMPLE`] slots are mostly not consecutive
+/// is taken slot by slot (one run each), which is several times cheaper for a scattered
+/// list than looking for runs that are not there.
+fn split_runs<S: RawSlot>(slots: &[S], num_slots: u32) -> Result<Vec<Run>> {
+    let sample = &slots[..slots.len().min(SAMPLE)];
+    let next = |w: &[S]| w[1].to_i64() == w[0].to_i64().wrapping_add(1);
+    let links = sample.windows(2).filter(|w| next(w)).count();
+    if 2 * links < sample.len() {
+        slots_to_runs(slots, num_slots)
+    } else {
+        blocks_to_runs(slots, num_slots)
+    }
+}
+
+/// [`split_runs`] for a scattered list: one run per slot.
+fn slots_to_runs<S: RawSlot>(slots: &[S], num_slots: u32) -> Result<Vec<Run>> {
+    let limit = u64::from(num_slots);
+    // Bit 63 of `s | !(s - limit)` is set iff `s` (negative ids wrap to huge ones) is not
+    // below `limit <= 2^32`: a branch-free range check, which the compiler vectorises.
+    let outside = slots.iter().fold(0, |acc, s| {
+        let s = s.to_i64() as u64;
+        acc | s | !s.wrapping_sub(limit)
+    });
+    if outside >> 63 != 0 {
+        let position = (slots.iter())
+            .position(|s| s.to_i64() as u64 >= limit)
+            .unwrap_or(0);
+        return Err(Error::SlotOutOfRange {
+            slot: slots[position].to_i64(),
+            position,
+            num_slots,
+        });
+    }
+    let run = |s: &S| Run {
+        start: s.to_i64() as u32,
+        len: 1,
+    };
+    Ok(slots.iter().map(run).collect())
+}
+
+/// [`split_runs`] for a list of blocks: maximal runs. A chunk of [`CHUNK`] consecutive
+/// in-range ids is taken whole, with branch-free checks; anything else (a run boundary, a
+/// bad id) goes one slot at a time.
+fn blocks_to_runs<S: RawSlot>(slots: &[S], num_slots: u32) -> Result<Vec<Run>> {
+    let mut runs = RunBuilder::new();
+    let mut position = 0;
+    while position < slots.len() {
+        if let Some(chunk) = slots.get(position..position + CHUNK) {
+            let first = chunk[0].to_i64();
+            let last = chunk[CHUNK - 1].to_i64();
+            let in_range = 0 <= first && first <= i64::from(num_slots) - CHUNK as i64;
+            if in_range && last.wrapping_sub(first) == CHUNK as i64 - 1 {
+                let steps = (chunk.iter().zip(0..))
+                    .fold(0, |diff, (s, k)| diff | (s.to_i64().wrapping_sub(first) ^ k));
+                if steps == 0 {
+                    runs.add(first as u32, CHUNK as u32);
+                    position += CHUNK;
+                    continue;
+                }
+            }
+        }
+        let slot = slots[position].to_i64();
+        // A negative id wraps to a huge unsigned one: one comparison covers both ends.
+        if slot as u64 >= u64::from(num_slots) {
+            return Err(Error::SlotOutOfRange {
+                slot,
+                position,
+                num_slots,
+            });
+        }
+        runs.add(slot as u32, 1);
+        position += 1;
+    }
+    Ok(runs.finish())
+}
+
+/// The (word index, bit mask) pairs covering `run` in a bitmap of one bit per slot.
+fn run_words(run: Run) -> impl Iterator<Item = (usize, u64)> {
+    let (mut lo, hi) = (run.start as usize, run.start as usize + run.len as usize);
+    std::iter::from_fn(move || {
+        (lo < hi).then(|| {
+            let word = lo / 64;
+            let end = hi.min((word + 1) * 64);
+            let width = end - lo;
+            let mask = if width == 64 {
+                u64::MAX
+            } else {
+                ((1u64 << width) - 1) << (lo % 64)
+            };
+            lo = end;
+            (word, mask)
+        })
+    })
+}
+
+/// Checks that no slot appears twice in a claim, given its runs. `seen` is a bitmap of one
+/// bit per slot, all clear on entry and left all clear. The error names the earliest
+/// position whose slot appeared before (and where it first appeared), as a slot-by-slot
+/// check would.
+fn check_unique<S: RawSlot>(seen: &mut [u64], runs: &[Run], slots: &[S]) -> Result<()> {
+    let is_set = |seen: &[u64], s: u32| seen[s as usize / 64] & (1 << (s % 64)) != 0;
+    let mut verdict = Ok(());
+    let mut marked = runs.len();
+    let mut position = 0;
+    for (i, &run) in runs.iter().enumerate() {
+        // Slots within a run are distinct, so a repeat is a bit an earlier run set.
+        let repeat = if run.len == 1 {
+            is_set(seen, run.start)
+        } else {
+            run_words(run).any(|(w, mask)| seen[w] & mask != 0)
+        };
+        if repeat {
+            let offset = (0..run.len)
+                .find(|&j| is_set(seen, run.start + j))
+                .unwrap_or(0);
+            let slot = run.start + offset;
+            let first = slots
+                .iter()
+                .position(|x| x.to_i64() == i64::from(slot))
+                .unwrap_or(0);
+            verdict = Err(Error::DuplicateSlot {
+                slot,
+                first,
+                second: position + offset as usize,
+            });
+            marked = i;
+            break;
+        }
+        if run.len == 1 {
+            seen[run.start as usize / 64] |= 1 << (run.start % 64);
+        } else {
+            run_words(run).for_each(|(w, mask)| seen[w] |= mask);
+        }
+        position += run.len as usize;
+    }
+    for &run in &runs[..marked] {
+        run_words(run).for_each(|(w, mask)| seen[w] &= !mask);
+    }
+    verdict
+}
+
+/// Per-key columns, one entry per slot (struct of arrays: the per-run loops read and write
+/// each column as one contiguous range).
 #[derive(Debug, Clone)]
 struct KeyColumns {
     owner: Vec<u64>,
@@ -128,30 +357,122 @@ struct KeyColumns {
     readers: Vec<u32>,
 }
 
+impl KeyColumns {
+    /// Claims one slot for owner `me`: reports it in `out` if it is stolen or must be
+    /// preserved, bumps its version and takes it over.
+    #[inline]
+    fn claim_slot(&mut self, slot: usize, me: u64, out: &mut ClaimOutcome) {
+        let owner = self.owner[slot];
+        let other_task = owner >= OWNER_TASK_BASE && owner != me;
+        if other_task {
+            out.stolen_slots.push(slot as i64);
+            out.stolen_from.push((owner - OWNER_TASK_BASE) as i64);
+        }
+        if self.readers[slot] > 0 && (owner == OWNER_POOL || other_task) {
+            out.preserve_slots.push(slot as i64);
+            out.preserve_versions.push(self.version[slot]);
+            out.preserve_from.push(Source::from_owner(owner).code());
+        }
+        self.version[slot] += 1;
+        self.readers[slot] = 0;
+        self.owner[slot] = me;
+    }
+
+    /// Claims a run for owner `me`, as [`KeyColumns::claim_slot`] on each of its slots.
+    fn claim_run(&mut self, run: Run, me: u64, out: &mut ClaimOutcome) {
+        let range = run.range();
+        let owner = &mut self.owner[range.clone()];
+        let version = &mut self.version[range.clone()];
+        let readers = &mut self.readers[range.clone()];
+        // Typically nothing is reported: one owner throughout (nobody, the pool or this
+        // task) and no pending reader. Both folds are plain bit operations, which the
+        // compiler vectorises.
+        let first = owner[0];
+        let uniform = owner.iter().fold(0, |diff, &o| diff | (o ^ first)) == 0;
+        let other_task = first >= OWNER_TASK_BASE && first != me;
+        let read = readers.iter().fold(0, |any, &n| any | n) != 0;
+        if uniform && !other_task && !read {
+            version.iter_mut().for_each(|v| *v += 1);
+            readers.fill(0);
+            owner.fill(me);
+        } else {
+            range.for_each(|slot| self.claim_slot(slot, me, out));
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 struct PendingRead {
     key: KeyId,
-    slots: Vec<u32>,
-    versions: Vec<u64>,
-    owners: Vec<u64>,
+    /// The read's slots, in order, in runs of slots captured at one version.
+    runs: Vec<ReadRun>,
+    /// Positions (ascending) whose slot had no row when the read was planned; every other
+    /// position captured a row, and the read sees it vanish if the slot becomes absent.
+    captured_absent: Vec<usize>,
 }
 
-/// One task's claims on one key, in row order: (slot, version assigned by the claim).
+/// Consecutive slots of a pending read, all captured at one version.
+#[derive(Debug, Clone, Copy)]
+struct ReadRun {
+    run: Run,
+    version: u64,
+}
+
+/// Appends the slots of `run` at `version` (their versions, in order) to `out` as runs of
+/// equal versions. A block is claimed as a whole, so that is usually one run.
+fn push_read_runs(out: &mut Vec<ReadRun>, run: Run, version: &[u64]) {
+    let mut start = run.start;
+    for same in version.chunk_by(|a, b| a == b) {
+        let len = same.len() as u32;
+        out.push(ReadRun {
+            run: Run { start, len },
+            version: same[0],
+        });
+        start += len;
+    }
+}
+
+/// One task's claims on one key: the claimed slots in row order.
+///
+/// A row still belongs to the task iff the slot's owner is the task and the row is the
+/// task's *last* row of that slot: only this task's claims make it the owner, and each
+/// appends a row, so while the task owns the slot its newest claim is the task's last row
+/// of it. (That is what comparing the version a claim assigned with the current version
+/// decides, without storing versions.)
+#[derive(Debug, Clone)]
+struct KeyRows {
+    key: KeyId,
+    runs: Vec<Run>,
+    /// Whether a slot may appear twice: set when a second non-empty claim is appended (the
+    /// slots of one claim are distinct). When not, every row is the last of its slot.
+    may_repeat: bool,
+}
+
+/// One task's claims, per key.
 #[derive(Debug, Clone, Default)]
 struct TaskClaims {
-    per_key: Vec<(KeyId, Vec<(u32, u64)>)>,
+    per_key: Vec<KeyRows>,
 }
 
 impl TaskClaims {
-    fn key_mut(&mut self, key: KeyId) -> &mut Vec<(u32, u64)> {
-        let i = match self.per_key.iter().position(|(k, _)| *k == key) {
-            Some(i) => i,
-            None => {
-                self.per_key.push((key, Vec::new()));
-                self.per_key.len() - 1
+    fn key(&self, key: KeyId) -> Option<&KeyRows> {
+        self.per_key.iter().find(|r| r.key == key)
+    }
+
+    /// Appends `runs` (one claim's slots) to the task's rows on `key`.
+    fn append(&mut self, key: KeyId, runs: Vec<Run>) {
+        match self.per_key.iter_mut().find(|r| r.key == key) {
+            Some(rows) if rows.runs.is_empty() => rows.runs = runs,
+            Some(rows) => {
+                rows.may_repeat |= !runs.is_empty();
+                rows.runs.extend_from_slice(&runs);
             }
-        };
-        &mut self.per_key[i].1
+            None => self.per_key.push(KeyRows {
+                key,
+                runs,
+                may_repeat: false,
+            }),
+        }
     }
 }
 
@@ -163,9 +484,8 @@ pub struct Ledger {
     tasks: HashMap<TaskId, TaskClaims>,
     reads: HashMap<ReadId, PendingRead>,
     next_read: u64,
-    /// Duplicate detection for claims: `seen[slot] == epoch` means seen in this claim.
-    seen: Vec<u32>,
-    epoch: u32,
+    /// Duplicate detection for claims: one bit per slot, all clear between calls.
+    seen: Vec<u64>,
 }
 
 impl Ledger {
@@ -182,8 +502,7 @@ impl Ledger {
             tasks: HashMap::new(),
             reads: HashMap::new(),
             next_read: 0,
-            seen: vec![0; num_slots as usize],
-            epoch: 0,
+            seen: vec![0; num_slots.div_ceil(64) as usize],
         })
     }
 
@@ -243,30 +562,6 @@ impl Ledger {
         Ok(())
     }
 
-    fn check_unique<S: RawSlot>(&mut self, slots: &[S]) -> Result<()> {
-        self.epoch = self.epoch.wrapping_add(1);
-        if self.epoch == 0 {
-            self.seen.fill(0);
-            self.epoch = 1;
-        }
-        for (position, s) in slots.iter().enumerate() {
-            let slot = s.to_i64() as usize;
-            if self.seen[slot] == self.epoch {
-                let first = slots
-                    .iter()
-                    .position(|x| x.to_i64() as usize == slot)
-                    .unwrap_or(0);
-                return Err(Error::DuplicateSlot {
-                    slot: slot as u32,
-                    first,
-                    second: position,
-                });
-            }
-            self.seen[slot] = self.epoch;
-        }
-        Ok(())
-    }
-
     /// Claims `slots` of `key` for `task`, in the task's row order (appended to what the
     /// task already claimed on this key). Every slot's version is bumped and its owner becomes
     /// `task`. A slot the same task already holds is not reported as stolen or preserved. Refused as a whole (nothing changes) for an unknown key, an out-of-range or
@@ -278,32 +573,20 @@ impl Ledger {
         task: TaskId,
     ) -> Result<ClaimOutcome> {
         self.check_key(key)?;
-        self.check_slots(slots)?;
-        self.check_unique(slots)?;
+        let runs = split_runs(slots, self.num_slots)?;
+        check_unique(&mut self.seen, &runs, slots)?;
         let me = task.0 + OWNER_TASK_BASE;
         let cols = &mut self.keys[key.0 as usize];
-        let rows = self.tasks.entry(task).or_default().key_mut(key);
-        rows.reserve(slots.len());
         let mut out = ClaimOutcome::default();
-        for s in slots {
-            let slot = s.to_i64() as usize;
-            let owner = cols.owner[slot];
-            let other_task = owner >= OWNER_TASK_BASE && owner != me;
-            if other_task {
-                out.stolen_slots.push(slot as i64);
-                out.stolen_from.push((owner - OWNER_TASK_BASE) as i64);
+        for &run in &runs {
+            if run.len < SHORT_RUN {
+                run.range()
+                    .for_each(|slot| cols.claim_slot(slot, me, &mut out));
+            } else {
+                cols.claim_run(run, me, &mut out);
             }
-            if cols.readers[slot] > 0 && (owner == OWNER_POOL || other_task) {
-                out.preserve_slots.push(slot as i64);
-                out.preserve_versions.push(cols.version[slot]);
-                out.preserve_from.push(Source::from_owner(owner).code());
-            }
-            let version = cols.version[slot] + 1;
-            cols.version[slot] = version;
-            cols.readers[slot] = 0;
-            cols.owner[slot] = me;
-            rows.push((slot as u32, version));
         }
+        self.tasks.entry(task).or_default().append(key, runs);
         Ok(out)
     }
 
@@ -318,21 +601,55 @@ impl Ledger {
         self.check_key(key)?;
         let claims = self.task_rows(task)?;
         let me = task.0 + OWNER_TASK_BASE;
-        let cols = &self.keys[key.0 as usize];
+        let owner = &self.keys[key.0 as usize].owner;
         let (mut positions, mut slots) = (Vec::new(), Vec::new());
-        if let Some((_, rows)) = claims.per_key.iter().find(|(k, _)| *k == key) {
-            for (i, &(slot, version)) in rows.iter().enumerate() {
-                let s = slot as usize;
-                if cols.owner[s] == me && cols.version[s] == version {
-                    positions.push(i as i64);
-                    slots.push(slot as i64);
+        let Some(rows) = claims.key(key) else {
+            return Ok((positions, slots));
+        };
+        if rows.may_repeat {
+            // Only a slot's last row counts: walk backwards, skipping slots already seen.
+            let mut later = vec![0u64; self.seen.len()];
+            let mut position: usize = rows.runs.iter().map(|r| r.len as usize).sum();
+            for &run in rows.runs.iter().rev() {
+                for s in run.range().rev() {
+                    position -= 1;
+                    let (word, bit) = (s / 64, 1u64 << (s % 64));
+                    if owner[s] == me && later[word] & bit == 0 {
+                        positions.push(position as i64);
+                        slots.push(s as i64);
+                    }
+                    later[word] |= bit;
                 }
+            }
+            positions.reverse();
+            slots.reverse();
+        } else {
+            let mut position = 0;
+            for &run in &rows.runs {
+                let range = run.range();
+                let len = range.len();
+                let run_owner = &owner[range.clone()];
+                if run_owner.iter().all(|&o| o == me) {
+                    positions.extend((position..position + len).map(|p| p as i64));
+                    slots.extend(range.map(|s| s as i64));
+                } else {
+                    for ((p, s), &o) in (position..).zip(range).zip(run_owner) {
+                        if o == me {
+                            positions.push(p as i64);
+                            slots.push(s as i64);
+                        }
+                    }
+                }
+                position += len;
             }
         }
         Ok((positions, slots))
     }
 
     /// Ends `task`'s claims, setting every slot it still owns to `to`. Returns how many.
+    ///
+    /// A slot the task claimed twice is settled at its first row and no longer owned by the
+    /// task at the second, so each owned slot counts once, as its last row would.
     fn settle(&mut self, task: TaskId, to: u64) -> Result<usize> {
         let claims = self
             .tasks
@@ -340,13 +657,13 @@ impl Ledger {
             .ok_or(Error::UnknownTask { task })?;
         let me = task.0 + OWNER_TASK_BASE;
         let mut n = 0;
-        for (key, rows) in claims.per_key {
-            let cols = &mut self.keys[key.0 as usize];
-            for (slot, version) in rows {
-                let s = slot as usize;
-                if cols.owner[s] == me && cols.version[s] == version {
-                    cols.owner[s] = to;
-                    n += 1;
+        for rows in &claims.per_key {
+            let owner = &mut self.keys[rows.key.0 as usize].owner;
+            for &run in &rows.runs {
+                for o in &mut owner[run.range()] {
+                    let mine = *o == me;
+                    n += usize::from(mine);
+                    *o = if mine { to } else { *o };
                 }
             }
         }
@@ -386,23 +703,50 @@ impl Ledger {
     /// captured version reports it in `preserve_slots`. The same slot may appear twice.
     pub fn plan_read<S: RawSlot>(&mut self, slots: &[S], key: KeyId) -> Result<ReadPlan> {
         self.check_key(key)?;
-        self.check_slots(slots)?;
+        let runs = split_runs(slots, self.num_slots)?;
         let cols = &mut self.keys[key.0 as usize];
-        let n = slots.len();
-        let (mut sources, mut versions, mut owners, mut raw) = (
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-        );
-        for s in slots {
-            let slot = s.to_i64() as usize;
-            let owner = cols.owner[slot];
-            cols.readers[slot] += 1;
-            sources.push(Source::from_owner(owner).code());
-            versions.push(cols.version[slot]);
-            owners.push(owner);
-            raw.push(slot as u32);
+        let mut sources = Vec::with_capacity(slots.len());
+        let mut versions = Vec::with_capacity(slots.len());
+        let mut read_runs = Vec::with_capacity(runs.len());
+        let mut captured_absent = Vec::new();
+        for run in runs {
+            let range = run.range();
+            if run.len < SHORT_RUN {
+                for slot in range {
+                    let (owner, version) = (cols.owner[slot], cols.version[slot]);
+                    if owner == OWNER_ABSENT {
+                        captured_absent.push(sources.len());
+                    }
+                    sources.push(source_code(owner));
+                    versions.push(version);
+                    cols.readers[slot] += 1;
+                    let run = Run {
+                        start: slot as u32,
+                        len: 1,
+                    };
+                    read_runs.push(ReadRun { run, version });
+                }
+                continue;
+            }
+            let owner = &cols.owner[range.clone()];
+            let version = &cols.version[range.clone()];
+            // Typically one owner and one version throughout; both checks are branch-free
+            // folds, which the compiler vectorises.
+            let (first, v0) = (owner[0], version[0]);
+            let same_owner = owner.iter().fold(0, |diff, &o| diff | (o ^ first)) == 0;
+            let same_version = version.iter().fold(0, |diff, &v| diff | (v ^ v0)) == 0;
+            if !same_owner || first == OWNER_ABSENT {
+                let absent = (sources.len()..).zip(owner).filter(|&(_, &o)| o == OWNER_ABSENT);
+                captured_absent.extend(absent.map(|(p, _)| p));
+            }
+            sources.extend(owner.iter().map(|&o| source_code(o)));
+            versions.extend(version.iter().copied());
+            if same_version {
+                read_runs.push(ReadRun { run, version: v0 });
+            } else {
+                push_read_runs(&mut read_runs, run, version);
+            }
+            cols.readers[range].iter_mut().for_each(|n| *n += 1);
         }
         let read = ReadId(self.next_read);
         self.next_read += 1;
@@ -410,9 +754,8 @@ impl Ledger {
             read,
             PendingRead {
                 key,
-                slots: raw,
-                versions: versions.clone(),
-                owners,
+                runs: read_runs,
+                captured_absent,
             },
         );
         Ok(ReadPlan {
@@ -427,12 +770,17 @@ impl Ledger {
     pub fn validate(&self, read: ReadId) -> Result<Vec<i64>> {
         let r = self.reads.get(&read).ok_or(Error::UnknownRead { read })?;
         let cols = &self.keys[r.key.0 as usize];
+        let mut captured_absent = r.captured_absent.iter().copied().peekable();
         let mut moved = Vec::new();
-        for (i, (&slot, &version)) in r.slots.iter().zip(&r.versions).enumerate() {
-            let s = slot as usize;
-            let vanished = cols.owner[s] == OWNER_ABSENT && r.owners[i] != OWNER_ABSENT;
-            if cols.version[s] != version || vanished {
-                moved.push(i as i64);
+        let mut position = 0;
+        for rr in &r.runs {
+            for slot in rr.run.range() {
+                let was_absent = captured_absent.next_if_eq(&position).is_some();
+                let vanished = cols.owner[slot] == OWNER_ABSENT && !was_absent;
+                if cols.version[slot] != rr.version || vanished {
+                    moved.push(position as i64);
+                }
+                position += 1;
             }
         }
         Ok(moved)
@@ -445,10 +793,17 @@ impl Ledger {
             .remove(&read)
             .ok_or(Error::UnknownRead { read })?;
         let cols = &mut self.keys[r.key.0 as usize];
-        for (&slot, &version) in r.slots.iter().zip(&r.versions) {
-            let s = slot as usize;
-            if cols.version[s] == version {
-                cols.readers[s] = cols.readers[s].saturating_sub(1);
+        for rr in &r.runs {
+            let range = rr.run.range();
+            let readers = &mut cols.readers[range.clone()];
+            for (n, &version) in readers.iter_mut().zip(&cols.version[range]) {
+                // Still captured at the current version: one reader fewer. (Branch-free,
+                // which the compiler vectorises.)
+                *n = if version == rr.version {
+                    n.saturating_sub(1)
+                } else {
+                    *n
+                };
             }
         }
         Ok(())
