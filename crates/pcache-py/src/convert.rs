@@ -41,10 +41,10 @@ impl<'py> Indices<'py> {
             )));
         }
         if let Ok(a) = array.extract::<PyReadonlyArray1<'py, i64>>() {
-            return Ok(Self::contiguous_or_copy(a, |a| Indices::I64(a)));
+            return Ok(Self::contiguous_or_copy(a, Indices::I64));
         }
         if let Ok(a) = array.extract::<PyReadonlyArray1<'py, i32>>() {
-            return Ok(Self::contiguous_or_copy(a, |a| Indices::I32(a)));
+            return Ok(Self::contiguous_or_copy(a, Indices::I32));
         }
         if size == 0 && !obj.hasattr("dtype")? {
             return Ok(Indices::Owned(Vec::new()));

@@ -8,6 +8,11 @@ use pyo3::prelude::*;
 use crate::convert::{int_array, uint_array, with_slice, Indices};
 use crate::errors::IntoPy;
 
+/// An int64 numpy array handed to Python.
+type IntArray = Py<PyArray1<i64>>;
+/// A uint64 numpy array handed to Python.
+type UintArray = Py<PyArray1<u64>>;
+
 /// What a claim found (see `pcache_core::ClaimOutcome`); int64 arrays.
 #[pyclass(frozen, get_all, module = "omni_pcache._native")]
 pub struct ClaimOutcome {
@@ -85,12 +90,7 @@ impl Ledger {
 
     /// `(positions, slots)` the task still owns on `key_id`: gather rows at `positions`,
     /// scatter them to `slots`.
-    fn owned(
-        &self,
-        py: Python<'_>,
-        task_id: u64,
-        key_id: u32,
-    ) -> PyResult<(Py<PyArray1<i64>>, Py<PyArray1<i64>>)> {
+    fn owned(&self, py: Python<'_>, task_id: u64, key_id: u32) -> PyResult<(IntArray, IntArray)> {
         let (positions, slots) = py
             .detach(|| self.inner.lock().owned(TaskId(task_id), KeyId(key_id)))
             .py_err()?;
@@ -115,7 +115,7 @@ impl Ledger {
         py: Python<'_>,
         slots: &Bound<'_, PyAny>,
         key_id: u32,
-    ) -> PyResult<(Py<PyArray1<i64>>, Py<PyArray1<u64>>)> {
+    ) -> PyResult<(IntArray, UintArray)> {
         let idx = Indices::extract(slots, "slots")?;
         let view = idx.slice();
         let (sources, versions) = py
