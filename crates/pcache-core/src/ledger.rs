@@ -15,6 +15,16 @@
 //! The ledger is a plain `&mut self` structure; the binding keeps it behind one mutex that is
 //! never held across a wait or a copy. Pool writes for a key must be issued by one thread (the
 //! committer), in the order `owned` → scatter → `commit`.
+//!
+//! # Representation
+//!
+//! Per key, three columns hold one entry per slot: the owner (a 4-byte code: nobody, the
+//! pool, or an in-transit task's handle), the version and the number of pending readers.
+//! Slot lists are handled as *runs* of consecutive ids: the engine hands out slots in blocks
+//! of consecutive ids, so 16,384 slots are typically 1,024 runs of 16, each one contiguous
+//! range of every column, walked by branch-free loops the compiler vectorises; a scattered
+//! list is handled slot by slot. A task's claimed rows and a pending read's slots are kept
+//! as runs too, and a pending read keeps one captured version per run of equal versions.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -22,9 +32,13 @@ use std::ops::Range;
 use crate::error::{Error, Result};
 use crate::ids::{KeyId, ReadId, TaskId};
 
-const OWNER_ABSENT: u64 = 0;
-const OWNER_POOL: u64 = 1;
-const OWNER_TASK_BASE: u64 = 2;
+/// Owner codes in the per-key owner column: nobody, the pool, or an in-transit task, named
+/// by its *handle*: `OWNER_TASK_BASE + i`, where `i` indexes [`Ledger`]'s handle table. A
+/// task gets a handle at its first claim and gives it back when it settles, when no slot
+/// names it any more. Four bytes per slot instead of a task id's eight.
+const OWNER_ABSENT: u32 = 0;
+const OWNER_POOL: u32 = 1;
+const OWNER_TASK_BASE: u32 = 2;
 
 /// `source` code in a [`ReadPlan`] for a slot with no row.
 pub const SOURCE_ABSENT: i64 = -2;
@@ -58,14 +72,6 @@ impl Source {
             Source::Absent => SOURCE_ABSENT,
             Source::Pool => SOURCE_POOL,
             Source::Task(t) => t.0 as i64,
-        }
-    }
-
-    fn from_owner(owner: u64) -> Source {
-        match owner {
-            OWNER_ABSENT => Source::Absent,
-            OWNER_POOL => Source::Pool,
-            t => Source::Task(TaskId(t - OWNER_TASK_BASE)),
         }
     }
 }
@@ -120,10 +126,45 @@ pub struct ReadPlan {
     pub versions: Vec<u64>,
 }
 
-/// The [`ReadPlan`] source code of an owner: `owner - 2` (absent → -2, pool → -1, task
-/// `t` → `t`), the same as `Source::from_owner(owner).code()` without a branch.
-fn source_code(owner: u64) -> i64 {
-    owner.wrapping_sub(OWNER_TASK_BASE) as i64
+/// The task of each handle (see [`OWNER_TASK_BASE`]); entries of free handles are stale.
+#[derive(Debug, Clone, Default)]
+struct Handles {
+    tasks: Vec<TaskId>,
+    free: Vec<u32>,
+}
+
+impl Handles {
+    /// A handle for `task`, as its owner code.
+    fn take(&mut self, task: TaskId) -> u32 {
+        match self.free.pop() {
+            Some(owner) => {
+                self.tasks[(owner - OWNER_TASK_BASE) as usize] = task;
+                owner
+            }
+            None => {
+                self.tasks.push(task);
+                // Beyond `u32::MAX - 2` tasks holding claims at once, memory runs out first.
+                u32::try_from(self.tasks.len() - 1)
+                    .ok()
+                    .and_then(|i| i.checked_add(OWNER_TASK_BASE))
+                    .expect("fewer than 2^32 - 2 tasks hold claims at once")
+            }
+        }
+    }
+
+    /// The task an owner code (`>= OWNER_TASK_BASE`) names.
+    fn task(&self, owner: u32) -> TaskId {
+        self.tasks[(owner - OWNER_TASK_BASE) as usize]
+    }
+
+    /// The [`Source`] of an owner code.
+    fn source(&self, owner: u32) -> Source {
+        match owner {
+            OWNER_ABSENT => Source::Absent,
+            OWNER_POOL => Source::Pool,
+            t => Source::Task(self.task(t)),
+        }
+    }
 }
 
 /// A run of consecutive slot ids `start, start + 1, .., start + len - 1` (`len >= 1`).
@@ -144,54 +185,35 @@ impl Run {
 const SHORT_RUN: u32 = 4;
 
 /// Collects slot ids, in order, into maximal runs of consecutive ids.
+#[derive(Default)]
 struct RunBuilder {
     runs: Vec<Run>,
-    /// Runs written so far (`runs` grows ahead of them, see [`RunBuilder::emit`]).
-    done: usize,
     /// The current run, `start..end`; empty (`start == end`) before the first id.
     start: u32,
     end: u32,
 }
 
 impl RunBuilder {
-    fn new() -> Self {
-        Self {
-            runs: Vec::new(),
-            done: 0,
-            start: 0,
-            end: 0,
-        }
-    }
-
     /// Adds the ids `first..first + len` (`first + len <= num_slots`, so no overflow).
-    #[inline]
     fn add(&mut self, first: u32, len: u32) {
-        if first != self.end {
-            self.emit();
+        if first != self.end || self.start == self.end {
+            self.finish_run();
             self.start = first;
         }
         self.end = first + len;
     }
 
-    /// Writes out the current run, if any. The vector is grown in steps and written by
-    /// index rather than pushed to: a push per slot is several times slower here.
-    fn emit(&mut self) {
+    fn finish_run(&mut self) {
         if self.end != self.start {
-            if self.done == self.runs.len() {
-                let grown = (2 * self.done).max(16);
-                self.runs.resize(grown, Run { start: 0, len: 0 });
-            }
-            self.runs[self.done] = Run {
+            self.runs.push(Run {
                 start: self.start,
                 len: self.end - self.start,
-            };
-            self.done += 1;
+            });
         }
     }
 
     fn finish(mut self) -> Vec<Run> {
-        self.emit();
-        self.runs.truncate(self.done);
+        self.finish_run();
         self.runs
     }
 }
@@ -250,7 +272,7 @@ fn slots_to_runs<S: RawSlot>(slots: &[S], num_slots: u32) -> Result<Vec<Run>> {
 /// in-range ids is taken whole, with branch-free checks; anything else (a run boundary, a
 /// bad id) goes one slot at a time.
 fn blocks_to_runs<S: RawSlot>(slots: &[S], num_slots: u32) -> Result<Vec<Run>> {
-    let mut runs = RunBuilder::new();
+    let mut runs = RunBuilder::default();
     let mut position = 0;
     while position < slots.len() {
         if let Some(chunk) = slots.get(position..position + CHUNK) {
@@ -258,8 +280,9 @@ fn blocks_to_runs<S: RawSlot>(slots: &[S], num_slots: u32) -> Result<Vec<Run>> {
             let last = chunk[CHUNK - 1].to_i64();
             let in_range = 0 <= first && first <= i64::from(num_slots) - CHUNK as i64;
             if in_range && last.wrapping_sub(first) == CHUNK as i64 - 1 {
-                let steps = (chunk.iter().zip(0..))
-                    .fold(0, |diff, (s, k)| diff | (s.to_i64().wrapping_sub(first) ^ k));
+                let steps = (chunk.iter().zip(0..)).fold(0, |diff, (s, k)| {
+                    diff | (s.to_i64().wrapping_sub(first) ^ k)
+                });
                 if steps == 0 {
                     runs.add(first as u32, CHUNK as u32);
                     position += CHUNK;
@@ -307,17 +330,29 @@ fn run_words(run: Run) -> impl Iterator<Item = (usize, u64)> {
 /// check would.
 fn check_unique<S: RawSlot>(seen: &mut [u64], runs: &[Run], slots: &[S]) -> Result<()> {
     let is_set = |seen: &[u64], s: u32| seen[s as usize / 64] & (1 << (s % 64)) != 0;
-    let mut verdict = Ok(());
-    let mut marked = runs.len();
+    // Marks each run, up to the first with a slot marked before (the slots within a run are
+    // distinct, so a repeat is a bit an earlier run set).
     let mut position = 0;
-    for (i, &run) in runs.iter().enumerate() {
-        // Slots within a run are distinct, so a repeat is a bit an earlier run set.
+    let repeat = runs.iter().position(|&run| {
         let repeat = if run.len == 1 {
             is_set(seen, run.start)
         } else {
             run_words(run).any(|(w, mask)| seen[w] & mask != 0)
         };
-        if repeat {
+        if !repeat {
+            if run.len == 1 {
+                seen[run.start as usize / 64] |= 1 << (run.start % 64);
+            } else {
+                run_words(run).for_each(|(w, mask)| seen[w] |= mask);
+            }
+            position += run.len as usize;
+        }
+        repeat
+    });
+    let verdict = match repeat {
+        None => Ok(()),
+        Some(i) => {
+            let run = runs[i];
             let offset = (0..run.len)
                 .find(|&j| is_set(seen, run.start + j))
                 .unwrap_or(0);
@@ -326,22 +361,14 @@ fn check_unique<S: RawSlot>(seen: &mut [u64], runs: &[Run], slots: &[S]) -> Resu
                 .iter()
                 .position(|x| x.to_i64() == i64::from(slot))
                 .unwrap_or(0);
-            verdict = Err(Error::DuplicateSlot {
+            Err(Error::DuplicateSlot {
                 slot,
                 first,
                 second: position + offset as usize,
-            });
-            marked = i;
-            break;
+            })
         }
-        if run.len == 1 {
-            seen[run.start as usize / 64] |= 1 << (run.start % 64);
-        } else {
-            run_words(run).for_each(|(w, mask)| seen[w] |= mask);
-        }
-        position += run.len as usize;
-    }
-    for &run in &runs[..marked] {
+    };
+    for &run in &runs[..repeat.unwrap_or(runs.len())] {
         run_words(run).for_each(|(w, mask)| seen[w] &= !mask);
     }
     verdict
@@ -351,7 +378,8 @@ fn check_unique<S: RawSlot>(seen: &mut [u64], runs: &[Run], slots: &[S]) -> Resu
 /// each column as one contiguous range).
 #[derive(Debug, Clone)]
 struct KeyColumns {
-    owner: Vec<u64>,
+    /// Owner codes (`OWNER_*`).
+    owner: Vec<u32>,
     version: Vec<u64>,
     /// Pending reads that captured this slot at its *current* version.
     readers: Vec<u32>,
@@ -361,17 +389,17 @@ impl KeyColumns {
     /// Claims one slot for owner `me`: reports it in `out` if it is stolen or must be
     /// preserved, bumps its version and takes it over.
     #[inline]
-    fn claim_slot(&mut self, slot: usize, me: u64, out: &mut ClaimOutcome) {
+    fn claim_slot(&mut self, slot: usize, me: u32, handles: &Handles, out: &mut ClaimOutcome) {
         let owner = self.owner[slot];
         let other_task = owner >= OWNER_TASK_BASE && owner != me;
         if other_task {
             out.stolen_slots.push(slot as i64);
-            out.stolen_from.push((owner - OWNER_TASK_BASE) as i64);
+            out.stolen_from.push(handles.task(owner).0 as i64);
         }
         if self.readers[slot] > 0 && (owner == OWNER_POOL || other_task) {
             out.preserve_slots.push(slot as i64);
             out.preserve_versions.push(self.version[slot]);
-            out.preserve_from.push(Source::from_owner(owner).code());
+            out.preserve_from.push(handles.source(owner).code());
         }
         self.version[slot] += 1;
         self.readers[slot] = 0;
@@ -379,7 +407,7 @@ impl KeyColumns {
     }
 
     /// Claims a run for owner `me`, as [`KeyColumns::claim_slot`] on each of its slots.
-    fn claim_run(&mut self, run: Run, me: u64, out: &mut ClaimOutcome) {
+    fn claim_run(&mut self, run: Run, me: u32, handles: &Handles, out: &mut ClaimOutcome) {
         let range = run.range();
         let owner = &mut self.owner[range.clone()];
         let version = &mut self.version[range.clone()];
@@ -396,7 +424,7 @@ impl KeyColumns {
             readers.fill(0);
             owner.fill(me);
         } else {
-            range.for_each(|slot| self.claim_slot(slot, me, out));
+            range.for_each(|slot| self.claim_slot(slot, me, handles, out));
         }
     }
 }
@@ -449,8 +477,10 @@ struct KeyRows {
 }
 
 /// One task's claims, per key.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 struct TaskClaims {
+    /// The task's handle, as its owner code.
+    owner: u32,
     per_key: Vec<KeyRows>,
 }
 
@@ -482,6 +512,7 @@ pub struct Ledger {
     num_slots: u32,
     keys: Vec<KeyColumns>,
     tasks: HashMap<TaskId, TaskClaims>,
+    handles: Handles,
     reads: HashMap<ReadId, PendingRead>,
     next_read: u64,
     /// Duplicate detection for claims: one bit per slot, all clear between calls.
@@ -500,6 +531,7 @@ impl Ledger {
             num_slots,
             keys: Vec::new(),
             tasks: HashMap::new(),
+            handles: Handles::default(),
             reads: HashMap::new(),
             next_read: 0,
             seen: vec![0; num_slots.div_ceil(64) as usize],
@@ -575,18 +607,22 @@ impl Ledger {
         self.check_key(key)?;
         let runs = split_runs(slots, self.num_slots)?;
         check_unique(&mut self.seen, &runs, slots)?;
-        let me = task.0 + OWNER_TASK_BASE;
+        let handles = &mut self.handles;
+        let claims = self.tasks.entry(task).or_insert_with(|| TaskClaims {
+            owner: handles.take(task),
+            per_key: Vec::new(),
+        });
+        let (me, handles) = (claims.owner, &self.handles);
         let cols = &mut self.keys[key.0 as usize];
         let mut out = ClaimOutcome::default();
         for &run in &runs {
             if run.len < SHORT_RUN {
-                run.range()
-                    .for_each(|slot| cols.claim_slot(slot, me, &mut out));
+                (run.range()).for_each(|slot| cols.claim_slot(slot, me, handles, &mut out));
             } else {
-                cols.claim_run(run, me, &mut out);
+                cols.claim_run(run, me, handles, &mut out);
             }
         }
-        self.tasks.entry(task).or_default().append(key, runs);
+        claims.append(key, runs);
         Ok(out)
     }
 
@@ -600,7 +636,7 @@ impl Ledger {
     pub fn owned(&self, task: TaskId, key: KeyId) -> Result<(Vec<i64>, Vec<i64>)> {
         self.check_key(key)?;
         let claims = self.task_rows(task)?;
-        let me = task.0 + OWNER_TASK_BASE;
+        let me = claims.owner;
         let owner = &self.keys[key.0 as usize].owner;
         let (mut positions, mut slots) = (Vec::new(), Vec::new());
         let Some(rows) = claims.key(key) else {
@@ -646,16 +682,17 @@ impl Ledger {
         Ok((positions, slots))
     }
 
-    /// Ends `task`'s claims, setting every slot it still owns to `to`. Returns how many.
+    /// Ends `task`'s claims, setting every slot it still owns to `to` (`OWNER_POOL` or
+    /// `OWNER_ABSENT`). Returns how many.
     ///
     /// A slot the task claimed twice is settled at its first row and no longer owned by the
     /// task at the second, so each owned slot counts once, as its last row would.
-    fn settle(&mut self, task: TaskId, to: u64) -> Result<usize> {
+    fn settle(&mut self, task: TaskId, to: u32) -> Result<usize> {
         let claims = self
             .tasks
             .remove(&task)
             .ok_or(Error::UnknownTask { task })?;
-        let me = task.0 + OWNER_TASK_BASE;
+        let me = claims.owner;
         let mut n = 0;
         for rows in &claims.per_key {
             let owner = &mut self.keys[rows.key.0 as usize].owner;
@@ -667,6 +704,8 @@ impl Ledger {
                 }
             }
         }
+        // No slot names the task any more: its handle is free.
+        self.handles.free.push(me);
         Ok(n)
     }
 
@@ -689,7 +728,7 @@ impl Ledger {
         let cols = &self.keys[key.0 as usize];
         let sources = slots
             .iter()
-            .map(|s| Source::from_owner(cols.owner[s.to_i64() as usize]).code())
+            .map(|s| self.handles.source(cols.owner[s.to_i64() as usize]).code())
             .collect();
         let versions = slots
             .iter()
@@ -705,6 +744,7 @@ impl Ledger {
         self.check_key(key)?;
         let runs = split_runs(slots, self.num_slots)?;
         let cols = &mut self.keys[key.0 as usize];
+        let code = |owner| self.handles.source(owner).code();
         let mut sources = Vec::with_capacity(slots.len());
         let mut versions = Vec::with_capacity(slots.len());
         let mut read_runs = Vec::with_capacity(runs.len());
@@ -717,7 +757,7 @@ impl Ledger {
                     if owner == OWNER_ABSENT {
                         captured_absent.push(sources.len());
                     }
-                    sources.push(source_code(owner));
+                    sources.push(code(owner));
                     versions.push(version);
                     cols.readers[slot] += 1;
                     let run = Run {
@@ -735,11 +775,18 @@ impl Ledger {
             let (first, v0) = (owner[0], version[0]);
             let same_owner = owner.iter().fold(0, |diff, &o| diff | (o ^ first)) == 0;
             let same_version = version.iter().fold(0, |diff, &v| diff | (v ^ v0)) == 0;
-            if !same_owner || first == OWNER_ABSENT {
-                let absent = (sources.len()..).zip(owner).filter(|&(_, &o)| o == OWNER_ABSENT);
+            if same_owner {
+                if first == OWNER_ABSENT {
+                    captured_absent.extend(sources.len()..sources.len() + owner.len());
+                }
+                sources.extend(std::iter::repeat_n(code(first), owner.len()));
+            } else {
+                let absent = (sources.len()..)
+                    .zip(owner)
+                    .filter(|&(_, &o)| o == OWNER_ABSENT);
                 captured_absent.extend(absent.map(|(p, _)| p));
+                sources.extend(owner.iter().map(|&o| code(o)));
             }
-            sources.extend(owner.iter().map(|&o| source_code(o)));
             versions.extend(version.iter().copied());
             if same_version {
                 read_runs.push(ReadRun { run, version: v0 });
@@ -872,7 +919,10 @@ mod tests {
         assert_eq!(plan.sources, vec![SOURCE_POOL, SOURCE_POOL]);
         let out = l.claim(&[9i64, 10], k, T2).unwrap();
         assert_eq!(out.preserve_slots, vec![9]);
-        assert_eq!((out.preserve_versions, out.preserve_from), (vec![1], vec![SOURCE_POOL]));
+        assert_eq!(
+            (out.preserve_versions, out.preserve_from),
+            (vec![1], vec![SOURCE_POOL])
+        );
         assert!(out.stolen_slots.is_empty());
         assert_eq!(l.validate(plan.read).unwrap(), vec![1]);
         // Only once: the read captured the old version, a second claim needs no copy.
@@ -973,6 +1023,134 @@ mod tests {
         assert_eq!(l.peek(&[1i64, 2, 63], k).unwrap(), before);
         assert_eq!(l.num_tasks(), 0);
         assert!(matches!(Ledger::new(0), Err(Error::InvalidConfig { .. })));
+    }
+
+    fn range(r: std::ops::Range<i64>) -> Vec<i64> {
+        r.collect()
+    }
+
+    #[test]
+    fn runs_across_bitmap_words_are_checked_and_claimed_slot_by_slot() {
+        let mut l = Ledger::new(200).unwrap();
+        let k = l.add_key();
+        // Runs straddling the duplicate bitmap's word boundaries (64, 128).
+        let first: Vec<i64> = (60..140).chain(10..20).collect();
+        assert_eq!(l.claim(&first, k, T1).unwrap(), ClaimOutcome::default());
+        let dup: Vec<i64> = (0..10).chain(150..170).chain(5..8).collect();
+        assert_eq!(
+            l.claim(&dup, k, T2).unwrap_err(),
+            Error::DuplicateSlot {
+                slot: 5,
+                first: 5,
+                second: 30
+            }
+        );
+        // An out-of-range id anywhere wins over an earlier duplicate.
+        assert_eq!(
+            l.claim(&[3i64, 4, 3, 200], k, T2).unwrap_err(),
+            Error::SlotOutOfRange {
+                slot: 200,
+                position: 3,
+                num_slots: 200
+            }
+        );
+        // The refused claims left nothing behind.
+        let ok: Vec<i64> = (0..10).chain(150..170).collect();
+        assert_eq!(l.claim(&ok, k, T2).unwrap(), ClaimOutcome::default());
+        let out = l.claim(&range(100..116), k, T2).unwrap();
+        assert_eq!(out.stolen_slots, range(100..116));
+        assert_eq!(out.stolen_from, vec![1; 16]);
+        let (positions, slots) = l.owned(T1, k).unwrap();
+        let kept = |&s: &i64| !(100..116).contains(&s);
+        assert_eq!(
+            slots,
+            first.iter().copied().filter(kept).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            positions,
+            range(0..40).into_iter().chain(56..90).collect::<Vec<_>>()
+        );
+        assert_eq!(l.commit(T1).unwrap(), 74);
+        assert_eq!(l.commit(T2).unwrap(), 46);
+        let (sources, versions) = l.peek(&range(96..120), k).unwrap();
+        assert_eq!(sources, vec![SOURCE_POOL; 24]);
+        let want: Vec<u64> = (96..120)
+            .map(|s| 1 + u64::from((100..116).contains(&s)))
+            .collect();
+        assert_eq!(versions, want);
+    }
+
+    #[test]
+    fn a_read_of_runs_at_mixed_versions_and_owners() {
+        let (mut l, k) = ledger_with_key();
+        l.claim(&range(0..16), k, T1).unwrap();
+        l.commit(T1).unwrap();
+        l.claim(&range(4..8), k, T2).unwrap();
+        l.commit(T2).unwrap();
+        l.claim(&range(12..14), k, TaskId(3)).unwrap();
+        let slots: Vec<i64> = (0..16).chain(20..22).collect();
+        let plan = l.plan_read(&slots, k).unwrap();
+        let mut sources = vec![SOURCE_POOL; 16];
+        sources[12..14].fill(3);
+        sources.extend([SOURCE_ABSENT; 2]);
+        assert_eq!(plan.sources, sources);
+        let mut versions = vec![1u64; 16];
+        versions[4..8].fill(2);
+        versions[12..14].fill(2);
+        versions.extend([0; 2]);
+        assert_eq!(plan.versions, versions);
+        assert_eq!(l.readers(&slots, k).unwrap(), vec![1; 18]);
+        let out = l.claim(&range(6..14), k, TaskId(4)).unwrap();
+        assert_eq!(out.stolen_slots, vec![12, 13]);
+        assert_eq!(out.preserve_slots, range(6..14));
+        assert_eq!(out.preserve_versions, vec![2, 2, 1, 1, 1, 1, 2, 2]);
+        assert_eq!(out.preserve_from, vec![-1, -1, -1, -1, -1, -1, 3, 3]);
+        assert_eq!(l.validate(plan.read).unwrap(), range(6..14));
+        assert_eq!(l.abandon(TaskId(3)).unwrap(), 0);
+        assert_eq!(l.abandon(TaskId(4)).unwrap(), 8);
+        assert_eq!(l.validate(plan.read).unwrap(), range(6..14));
+        l.release(plan.read).unwrap();
+        assert_eq!(l.readers(&slots, k).unwrap(), vec![0; 18]);
+    }
+
+    #[test]
+    fn a_task_reclaiming_a_slot_stolen_from_it_owns_only_the_new_row() {
+        let (mut l, k) = ledger_with_key();
+        l.claim(&[6i64, 7], k, T1).unwrap();
+        assert_eq!(l.claim(&[6i64], k, T2).unwrap().stolen_from, vec![1]);
+        assert_eq!(l.claim(&[6i64], k, T1).unwrap().stolen_from, vec![2]);
+        assert_eq!(l.owned(T1, k).unwrap(), (vec![1, 2], vec![7, 6]));
+        assert_eq!(l.owned(T2, k).unwrap(), (vec![], vec![]));
+        assert_eq!(l.commit(T2).unwrap(), 0);
+        assert_eq!(l.commit(T1).unwrap(), 2);
+        assert_eq!(l.peek(&[6i64, 7], k).unwrap(), (vec![-1, -1], vec![3, 1]));
+    }
+
+    #[test]
+    fn scattered_lists_work_like_lists_of_blocks() {
+        let mut l = Ledger::new(4096).unwrap();
+        let (k, scattered_key) = (l.add_key(), l.add_key());
+        // The same slots as blocks, and as one scattered list (blocks in between).
+        let blocks: Vec<i64> = (0..8).flat_map(|b| b * 400..b * 400 + 16).collect();
+        let mut scattered: Vec<i64> = (0..128).map(|i| 3000 + (i * 37) % 128 * 7).collect();
+        scattered.extend(&blocks);
+        let big = TaskId(u64::MAX / 2);
+        for (key, slots) in [(k, &blocks), (scattered_key, &scattered)] {
+            assert_eq!(l.claim(slots, key, big).unwrap(), ClaimOutcome::default());
+            let n = slots.len() as i64;
+            assert_eq!(l.owned(big, key).unwrap(), (range(0..n), slots.clone()));
+            let plan = l.plan_read(slots, key).unwrap();
+            assert_eq!(plan.sources, vec![big.0 as i64; slots.len()]);
+            let out = l.claim(slots, key, T1).unwrap();
+            assert_eq!(out.stolen_slots, *slots);
+            assert_eq!(out.preserve_slots, *slots);
+            assert_eq!(out.preserve_from, vec![big.0 as i64; slots.len()]);
+            assert_eq!(l.validate(plan.read).unwrap(), range(0..n));
+            assert_eq!(l.commit(big).unwrap(), 0);
+            assert_eq!(l.commit(T1).unwrap(), slots.len());
+            l.release(plan.read).unwrap();
+            assert_eq!(l.readers(slots, key).unwrap(), vec![0; slots.len()]);
+        }
     }
 
     #[test]
