@@ -27,10 +27,11 @@
 //! as runs too, and a pending read keeps one captured version per run of equal versions.
 
 use std::collections::HashMap;
-use std::ops::Range;
 
 use crate::error::{Error, Result};
 use crate::ids::{KeyId, ReadId, TaskId};
+pub use crate::slot_runs::RawSlot;
+use crate::slot_runs::{check_unique, split_runs, Run, SHORT_RUN};
 
 /// Owner codes in the per-key owner column: nobody, the pool, or an in-transit task, named
 /// by its *handle*: `OWNER_TASK_BASE + i`, where `i` indexes [`Ledger`]'s handle table. A
@@ -73,28 +74,6 @@ impl Source {
             Source::Pool => SOURCE_POOL,
             Source::Task(t) => t.0 as i64,
         }
-    }
-}
-
-/// A raw slot id as the engine hands it over (int64 or int32 arrays); validated on entry.
-pub trait RawSlot: Copy + Send + Sync {
-    /// The id as a signed 64-bit integer (ids that do not fit are out of range anyway).
-    fn to_i64(self) -> i64;
-}
-
-impl RawSlot for i64 {
-    fn to_i64(self) -> i64 {
-        self
-    }
-}
-impl RawSlot for i32 {
-    fn to_i64(self) -> i64 {
-        self as i64
-    }
-}
-impl RawSlot for u32 {
-    fn to_i64(self) -> i64 {
-        self as i64
     }
 }
 
@@ -165,213 +144,6 @@ impl Handles {
             t => Source::Task(self.task(t)),
         }
     }
-}
-
-/// A run of consecutive slot ids `start, start + 1, .., start + len - 1` (`len >= 1`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Run {
-    start: u32,
-    len: u32,
-}
-
-impl Run {
-    fn range(self) -> Range<usize> {
-        self.start as usize..self.start as usize + self.len as usize
-    }
-}
-
-/// Runs shorter than this are handled slot by slot: for them, setting up the per-run loops
-/// costs more than it saves.
-const SHORT_RUN: u32 = 4;
-
-/// Collects slot ids, in order, into maximal runs of consecutive ids.
-#[derive(Default)]
-struct RunBuilder {
-    runs: Vec<Run>,
-    /// The current run, `start..end`; empty (`start == end`) before the first id.
-    start: u32,
-    end: u32,
-}
-
-impl RunBuilder {
-    /// Adds the ids `first..first + len` (`first + len <= num_slots`, so no overflow).
-    fn add(&mut self, first: u32, len: u32) {
-        if first != self.end || self.start == self.end {
-            self.finish_run();
-            self.start = first;
-        }
-        self.end = first + len;
-    }
-
-    fn finish_run(&mut self) {
-        if self.end != self.start {
-            self.runs.push(Run {
-                start: self.start,
-                len: self.end - self.start,
-            });
-        }
-    }
-
-    fn finish(mut self) -> Vec<Run> {
-        self.finish_run();
-        self.runs
-    }
-}
-
-/// Slots checked at once by [`blocks_to_runs`]'s fast path.
-const CHUNK: usize = 8;
-
-/// Slots [`split_runs`] looks at to tell a list of blocks from a scattered one.
-const SAMPLE: usize = 64;
-
-/// Checks that every slot is in `[0, num_slots)` and splits the list into runs of
-/// consecutive ids, in list order. The error is for the first bad position, as
-/// [`Error::SlotOutOfRange`] documents.
-///
-/// Runs need not be maximal: a list whose first [`SAMPLE`] slots are mostly not consecutive
-/// is taken slot by slot (one run each), which is several times cheaper for a scattered
-/// list than looking for runs that are not there.
-fn split_runs<S: RawSlot>(slots: &[S], num_slots: u32) -> Result<Vec<Run>> {
-    let sample = &slots[..slots.len().min(SAMPLE)];
-    let next = |w: &[S]| w[1].to_i64() == w[0].to_i64().wrapping_add(1);
-    let links = sample.windows(2).filter(|w| next(w)).count();
-    if 2 * links < sample.len() {
-        slots_to_runs(slots, num_slots)
-    } else {
-        blocks_to_runs(slots, num_slots)
-    }
-}
-
-/// [`split_runs`] for a scattered list: one run per slot.
-fn slots_to_runs<S: RawSlot>(slots: &[S], num_slots: u32) -> Result<Vec<Run>> {
-    let limit = u64::from(num_slots);
-    // Bit 63 of `s | !(s - limit)` is set iff `s` (negative ids wrap to huge ones) is not
-    // below `limit <= 2^32`: a branch-free range check, which the compiler vectorises.
-    let outside = slots.iter().fold(0, |acc, s| {
-        let s = s.to_i64() as u64;
-        acc | s | !s.wrapping_sub(limit)
-    });
-    if outside >> 63 != 0 {
-        let position = (slots.iter())
-            .position(|s| s.to_i64() as u64 >= limit)
-            .unwrap_or(0);
-        return Err(Error::SlotOutOfRange {
-            slot: slots[position].to_i64(),
-            position,
-            num_slots,
-        });
-    }
-    let run = |s: &S| Run {
-        start: s.to_i64() as u32,
-        len: 1,
-    };
-    Ok(slots.iter().map(run).collect())
-}
-
-/// [`split_runs`] for a list of blocks: maximal runs. A chunk of [`CHUNK`] consecutive
-/// in-range ids is taken whole, with branch-free checks; anything else (a run boundary, a
-/// bad id) goes one slot at a time.
-fn blocks_to_runs<S: RawSlot>(slots: &[S], num_slots: u32) -> Result<Vec<Run>> {
-    let mut runs = RunBuilder::default();
-    let mut position = 0;
-    while position < slots.len() {
-        if let Some(chunk) = slots.get(position..position + CHUNK) {
-            let first = chunk[0].to_i64();
-            let last = chunk[CHUNK - 1].to_i64();
-            let in_range = 0 <= first && first <= i64::from(num_slots) - CHUNK as i64;
-            if in_range && last.wrapping_sub(first) == CHUNK as i64 - 1 {
-                let steps = (chunk.iter().zip(0..)).fold(0, |diff, (s, k)| {
-                    diff | (s.to_i64().wrapping_sub(first) ^ k)
-                });
-                if steps == 0 {
-                    runs.add(first as u32, CHUNK as u32);
-                    position += CHUNK;
-                    continue;
-                }
-            }
-        }
-        let slot = slots[position].to_i64();
-        // A negative id wraps to a huge unsigned one: one comparison covers both ends.
-        if slot as u64 >= u64::from(num_slots) {
-            return Err(Error::SlotOutOfRange {
-                slot,
-                position,
-                num_slots,
-            });
-        }
-        runs.add(slot as u32, 1);
-        position += 1;
-    }
-    Ok(runs.finish())
-}
-
-/// The (word index, bit mask) pairs covering `run` in a bitmap of one bit per slot.
-fn run_words(run: Run) -> impl Iterator<Item = (usize, u64)> {
-    let (mut lo, hi) = (run.start as usize, run.start as usize + run.len as usize);
-    std::iter::from_fn(move || {
-        (lo < hi).then(|| {
-            let word = lo / 64;
-            let end = hi.min((word + 1) * 64);
-            let width = end - lo;
-            let mask = if width == 64 {
-                u64::MAX
-            } else {
-                ((1u64 << width) - 1) << (lo % 64)
-            };
-            lo = end;
-            (word, mask)
-        })
-    })
-}
-
-/// Checks that no slot appears twice in a claim, given its runs. `seen` is a bitmap of one
-/// bit per slot, all clear on entry and left all clear. The error names the earliest
-/// position whose slot appeared before (and where it first appeared), as a slot-by-slot
-/// check would.
-fn check_unique<S: RawSlot>(seen: &mut [u64], runs: &[Run], slots: &[S]) -> Result<()> {
-    let is_set = |seen: &[u64], s: u32| seen[s as usize / 64] & (1 << (s % 64)) != 0;
-    // Marks each run, up to the first with a slot marked before (the slots within a run are
-    // distinct, so a repeat is a bit an earlier run set).
-    let mut position = 0;
-    let repeat = runs.iter().position(|&run| {
-        let repeat = if run.len == 1 {
-            is_set(seen, run.start)
-        } else {
-            run_words(run).any(|(w, mask)| seen[w] & mask != 0)
-        };
-        if !repeat {
-            if run.len == 1 {
-                seen[run.start as usize / 64] |= 1 << (run.start % 64);
-            } else {
-                run_words(run).for_each(|(w, mask)| seen[w] |= mask);
-            }
-            position += run.len as usize;
-        }
-        repeat
-    });
-    let verdict = match repeat {
-        None => Ok(()),
-        Some(i) => {
-            let run = runs[i];
-            let offset = (0..run.len)
-                .find(|&j| is_set(seen, run.start + j))
-                .unwrap_or(0);
-            let slot = run.start + offset;
-            let first = slots
-                .iter()
-                .position(|x| x.to_i64() == i64::from(slot))
-                .unwrap_or(0);
-            Err(Error::DuplicateSlot {
-                slot,
-                first,
-                second: position + offset as usize,
-            })
-        }
-    };
-    for &run in &runs[..repeat.unwrap_or(runs.len())] {
-        run_words(run).for_each(|(w, mask)| seen[w] &= !mask);
-    }
-    verdict
 }
 
 /// Per-key columns, one entry per slot (struct of arrays: the per-run loops read and write

@@ -20,6 +20,7 @@ pub mod hashing;
 pub mod ids;
 pub mod ledger;
 pub mod queues;
+pub mod slot_runs;
 pub mod staging;
 pub mod step_ids;
 pub mod sync;
