@@ -29,15 +29,22 @@ def _int(value: object, what: str, minimum: int = 0) -> int:
     return int(value)
 
 
-def _block_ids(req, num_blocks: int) -> np.ndarray:
-    blocks = np.asarray(req.block_ids)
-    if blocks.size == 0:
-        return blocks.astype(np.int64)
-    if blocks.ndim != 1 or not np.issubdtype(blocks.dtype, np.integer):
-        raise InvalidInputError(f"{req.req_id!r}: block_ids must be a list of ints, got {list(req.block_ids)!r}")
-    if blocks.min() < 0 or blocks.max() >= num_blocks:
-        raise InvalidInputError(f"{req.req_id!r}: block ids {blocks.tolist()} out of range [0, {num_blocks})")
-    return blocks.astype(np.int64, copy=False)
+def _block_ids(req, num_blocks: int):
+    """The request's block ids, checked (a short list stays a list: most tables are short and
+    only a hit needs them as an array)."""
+    blocks = req.block_ids
+    if isinstance(blocks, np.ndarray):
+        if blocks.ndim != 1 or (blocks.size and not np.issubdtype(blocks.dtype, np.integer)):
+            raise InvalidInputError(f"{req.req_id!r}: block_ids must be a list of ints, got {blocks!r}")
+        if blocks.size and (blocks.min() < 0 or blocks.max() >= num_blocks):
+            raise InvalidInputError(f"{req.req_id!r}: block ids {blocks.tolist()} out of range [0, {num_blocks})")
+        return blocks
+    for b in blocks:
+        if type(b) is not int and (isinstance(b, bool) or not isinstance(b, np.integer)):
+            raise InvalidInputError(f"{req.req_id!r}: block_ids must be a list of ints, got {list(blocks)!r}")
+    if blocks and (min(blocks) < 0 or max(blocks) >= num_blocks):
+        raise InvalidInputError(f"{req.req_id!r}: block ids {list(blocks)} out of range [0, {num_blocks})")
+    return blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +52,7 @@ class Scheduled:
     """A checked new or resumed request: its block table and computed-token count."""
 
     req_id: str
-    blocks: np.ndarray
+    blocks: object  # a sequence of ints or an int array
     num_computed: int
     resumed: bool
 
@@ -91,9 +98,9 @@ def check_batch(batch: StepBatch, config: CacheConfig) -> BatchShape:
     req_ids = list(batch.req_ids)
     if len(req_ids) != len(batch.num_scheduled_tokens):
         raise InvalidInputError(f"{len(req_ids)} req_ids but {len(batch.num_scheduled_tokens)} num_scheduled_tokens")
-    counts = [
-        _int(c, f"num_scheduled_tokens of {r!r}") for r, c in zip(req_ids, batch.num_scheduled_tokens, strict=True)
-    ]
+    counts = list(batch.num_scheduled_tokens)
+    if not all(type(c) is int and c >= 0 for c in counts):
+        counts = [_int(c, f"num_scheduled_tokens of {r!r}") for r, c in zip(req_ids, counts, strict=True)]
     if len(set(req_ids)) != len(req_ids):
         raise InvalidInputError(f"req_ids has duplicates: {req_ids}")
     n = sum(counts)
@@ -109,7 +116,7 @@ def check_batch(batch: StepBatch, config: CacheConfig) -> BatchShape:
             raise InvalidInputError("slot_mapping must be the CPU slot ids (no device sync), got a device tensor")
         mapping = mapping.numpy()
     mapping = np.asarray(mapping)
-    if mapping.ndim != 1 or not np.issubdtype(mapping.dtype, np.integer):
+    if mapping.ndim != 1 or mapping.dtype.kind not in "iu":
         raise InvalidInputError(f"slot_mapping must be a 1-D integer array, got {mapping.dtype} {mapping.shape}")
     if mapping.size < n:
         raise InvalidInputError(f"slot_mapping has {mapping.size} entries for {n} scheduled tokens")

@@ -24,6 +24,10 @@ impl<'py> Indices<'py> {
     /// Accepts a 1-D numpy array of int64/int32 (or a list of ints, converted by numpy).
     /// Anything else is an `InvalidInputError` naming the argument and what was wrong.
     pub fn extract(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Self> {
+        // Fast path: a contiguous int64 array (what the cache passes) needs no inspection.
+        if let Ok(a) = obj.extract::<PyReadonlyArray1<'py, i64>>() {
+            return Ok(Self::contiguous_or_copy(a, Indices::I64));
+        }
         let py = obj.py();
         let array = if obj.hasattr("dtype")? {
             obj.clone()

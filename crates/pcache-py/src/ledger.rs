@@ -79,6 +79,17 @@ impl Ledger {
                 ))
             })
             .py_err()?;
+        if out.stolen_slots.is_empty() && out.preserve_slots.is_empty() {
+            // The common case: nothing to report; share one empty array per dtype.
+            let empty = int_array(py, Vec::new());
+            return Ok(ClaimOutcome {
+                stolen_slots: empty.clone_ref(py),
+                stolen_from: empty.clone_ref(py),
+                preserve_slots: empty,
+                preserve_versions: uint_array(py, Vec::new()),
+                preserve_from: int_array(py, Vec::new()),
+            });
+        }
         Ok(ClaimOutcome {
             stolen_slots: int_array(py, out.stolen_slots),
             stolen_from: int_array(py, out.stolen_from),
