@@ -78,10 +78,10 @@ impl BlockHasher {
     }
 
     /// The hash of one block from its parent, tokens (exactly `block_size`) and extra bytes.
-    fn hash_one<T: RawToken>(
+    fn hash_one(
         &mut self,
         parent: Option<BlockHash>,
-        tokens: &[T],
+        token_bytes: &[u8],
         extra: Option<&[u8]>,
     ) -> BlockHash {
         let buf = &mut self.buf;
@@ -93,10 +93,7 @@ impl BlockHasher {
                 buf.extend_from_slice(&p.0.to_le_bytes());
             }
         }
-        for t in tokens {
-            // Validated by the caller before any hashing.
-            buf.extend_from_slice(&t.to_u32().unwrap_or(u32::MAX).to_le_bytes());
-        }
+        buf.extend_from_slice(token_bytes);
         match extra {
             None => buf.push(0),
             Some(bytes) => {
@@ -139,9 +136,14 @@ impl BlockHasher {
                 });
             }
         }
+        // Every token as little-endian u32 bytes, converted once (validated above).
+        let bytes: Vec<u8> = hashed
+            .iter()
+            .flat_map(|t| t.to_u32().unwrap_or(u32::MAX).to_le_bytes())
+            .collect();
         let mut out = Vec::with_capacity(num_blocks);
         let mut prev = parent;
-        for (i, block) in hashed.chunks_exact(self.block_size).enumerate() {
+        for (i, block) in bytes.chunks_exact(4 * self.block_size).enumerate() {
             let extra = extra_keys.and_then(|e| e[i]);
             let h = self.hash_one(prev, block, extra);
             out.push(h);
