@@ -75,3 +75,8 @@ gpu-wheels: setup
 # On a GPU machine: the cuda-marked tests and the copy benchmark, as one script (see scripts/gpu_check.sh).
 gpu-check:
     bash scripts/gpu_check.sh
+
+# The vLLM adapter against vLLM 0.33's real types, in a separate cached env (.venv-vllm: ~340 MB download once).
+test-vllm: setup develop
+    bash scripts/setup-vllm.sh
+    VLLM_TARGET_DEVICE=cpu OMNI_PCACHE_REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest -q tests/test_vllm_real.py

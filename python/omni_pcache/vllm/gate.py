@@ -1,0 +1,196 @@
+"""The gate at KV-cache init: which vLLM configurations get a cache, which are refused.
+
+`cache_config_from_vllm` reads vLLM's config objects by attribute only (duck typing, class
+names for KV-cache specs), so it works with vLLM's real configs and with plain stand-ins, and
+never imports vLLM. Contract:
+
+- ``None`` (no cache, nothing to do) when prefix caching is off or the stage is a pooling one:
+  every token is computed, so the engine's own outputs are already the full sequence.
+- `ConfigError` naming the option to change when prefix caching is on but the cache could
+  return wrong rows; the reason for each refusal is in `REFUSALS`.
+- Otherwise a `CacheConfig` sized like the engine's KV cache: ``num_blocks`` and the
+  full-attention group's ``block_size``, ``staging_capacity_tokens`` =
+  ``scheduler_config.max_num_batched_tokens`` (the most tokens one step can save).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from omni_pcache.config import CacheConfig
+from omni_pcache.errors import ConfigError
+
+REFUSALS: dict[str, str] = {
+    "kv_consumer": (
+        "a KV connector loads KV computed by another instance into this one's blocks and counts it in "
+        "num_computed_tokens; the rows of those tokens were never saved here, so their hits are unservable"
+    ),
+    "speculative": (
+        "draft tokens are computed and then partly rejected; rows saved for rejected positions would be "
+        "served as if they were the sequence's"
+    ),
+    "kv_groups": (
+        "the cache mirrors one full-attention block table; with several KV-cache groups (hybrid models) or "
+        "sliding-window/Mamba groups, blocks are dropped or reused while a prefix still hits"
+    ),
+    "kernel_block_size": (
+        "the attention backend splits each KV block into kernel blocks, so the engine's slot ids are in "
+        "kernel-block units while the cache addresses rows by the scheduler's blocks; that mapping is not "
+        "verified, so it is refused rather than risked"
+    ),
+    "decode_context_parallel": (
+        "decode context parallelism shards each block's tokens across ranks; no single rank holds a "
+        "request's whole sequence of slots"
+    ),
+    "sub_block_matching": (
+        "prefix hits that end inside a block (and the block copies the scheduler issues for them) are not "
+        "mirrored: the cache serves whole blocks only"
+    ),
+}
+"""Why each refused configuration is refused (keyed by refusal, used in the error messages)."""
+
+
+def _spec_kind(spec: Any) -> str:
+    """``"full"`` when ``spec`` is full attention (a ``FullAttentionSpec`` or subclass of it:
+    MLA, sink-full, RSWA, hidden-state-cache), else the spec's class name. A
+    ``UniformTypeKVCacheSpecs`` (one group, per-layer specs) is full when every layer's is."""
+    layer_specs = getattr(spec, "kv_cache_specs", None)
+    if isinstance(layer_specs, dict) and layer_specs:
+        kinds = {_spec_kind(s) for s in layer_specs.values()}
+        return "full" if kinds == {"full"} else ", ".join(sorted(kinds - {"full"}))
+    if any(cls.__name__ == "FullAttentionSpec" for cls in type(spec).__mro__):
+        return "full"
+    return type(spec).__name__
+
+
+def _spec_block_sizes(spec: Any) -> set[int]:
+    layer_specs = getattr(spec, "kv_cache_specs", None)
+    if isinstance(layer_specs, dict) and layer_specs:
+        return {int(s.block_size) for s in layer_specs.values()}
+    return {int(spec.block_size)}
+
+
+def _is_kv_consumer(kv_transfer_config: Any) -> bool:
+    if kv_transfer_config is None:
+        return False
+    consumer = getattr(kv_transfer_config, "is_kv_consumer", None)
+    if isinstance(consumer, bool):  # vLLM's property: a connector is set and the role consumes
+        return consumer
+    return getattr(kv_transfer_config, "kv_role", None) in ("kv_consumer", "kv_both")
+
+
+def _refuse(what: str, change: str, reason: str) -> ConfigError:
+    return ConfigError(f"omni_pcache cannot serve {what}: {REFUSALS[reason]}. Change: {change}.")
+
+
+def cache_config_from_vllm(
+    *,
+    cache_config: Any,
+    kv_cache_config: Any,
+    kv_transfer_config: Any,
+    scheduler_config: Any,
+    model_config: Any,
+    speculative_config: Any,
+    parallel_config: Any,
+    is_pooling: bool,
+    kernel_block_sizes: Sequence[int] | None = None,
+    **cache_options: Any,
+) -> CacheConfig | None:
+    """The `CacheConfig` for one vLLM stage, ``None`` when it needs no cache; raises
+    `ConfigError` for configurations the cache cannot serve (see the module doc).
+
+    Arguments are vLLM's ``CacheConfig``, ``KVCacheConfig`` (``num_blocks``,
+    ``kv_cache_groups[*].kv_cache_spec``), ``KVTransferConfig`` or None, ``SchedulerConfig``,
+    ``ModelConfig`` (``runner_type``; may be None), ``SpeculativeConfig`` or None,
+    ``ParallelConfig``, and whether the stage pools. ``kernel_block_sizes`` is the runner's
+    per-group kernel block sizes when it has them (V1: ``self._kernel_block_sizes``).
+    ``cache_options`` are passed on to `CacheConfig` (``staging_depth``, ``claim_timeout_s``...).
+    """
+    if not getattr(cache_config, "enable_prefix_caching", False):
+        return None
+    if is_pooling or getattr(model_config, "runner_type", None) == "pooling":
+        return None
+
+    if _is_kv_consumer(kv_transfer_config):
+        role = getattr(kv_transfer_config, "kv_role", None)
+        raise _refuse(
+            f"a KV-consumer stage (kv_transfer_config.kv_role={role!r})",
+            "set kv_transfer_config.kv_role='kv_producer' (or no KV connector), or enable_prefix_caching=False",
+            "kv_consumer",
+        )
+    if speculative_config is not None:
+        method = getattr(speculative_config, "method", None)
+        raise _refuse(
+            f"speculative decoding (speculative_config, method={method!r})",
+            "drop speculative_config (no --speculative-config), or enable_prefix_caching=False",
+            "speculative",
+        )
+
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", ()))
+    if len(groups) != 1:
+        kinds = [_spec_kind(g.kv_cache_spec) for g in groups]
+        raise _refuse(
+            f"{len(groups)} KV-cache groups (kv_cache_config.kv_cache_groups: {kinds})",
+            "scheduler_config.disable_hybrid_kv_cache_manager=True (--disable-hybrid-kv-cache-manager) "
+            "so every layer shares one full-attention group, or enable_prefix_caching=False",
+            "kv_groups",
+        )
+    spec = groups[0].kv_cache_spec
+    kind = _spec_kind(spec)
+    if kind != "full":
+        raise _refuse(
+            f"a KV-cache group that is not full attention (kv_cache_config.kv_cache_groups[0] is {kind})",
+            "scheduler_config.disable_hybrid_kv_cache_manager=True (--disable-hybrid-kv-cache-manager) "
+            "so sliding-window layers are kept as full attention, or enable_prefix_caching=False",
+            "kv_groups",
+        )
+
+    dcp = int(getattr(parallel_config, "decode_context_parallel_size", 1) or 1)
+    pcp = int(getattr(parallel_config, "prefill_context_parallel_size", 1) or 1)
+    if dcp > 1 or pcp > 1:
+        name, value = ("decode_context_parallel_size", dcp) if dcp > 1 else ("prefill_context_parallel_size", pcp)
+        raise _refuse(
+            f"context parallelism (parallel_config.{name}={value})",
+            f"parallel_config.{name}=1, or enable_prefix_caching=False",
+            "decode_context_parallel",
+        )
+
+    sizes = _spec_block_sizes(spec)
+    if len(sizes) != 1:
+        raise _refuse(
+            f"layers with different block sizes in one KV-cache group ({sorted(sizes)})",
+            "one cache_config.block_size (--block-size) for every layer, or enable_prefix_caching=False",
+            "kv_groups",
+        )
+    block_size = sizes.pop()
+    for kernel in kernel_block_sizes or ():
+        if int(kernel) != block_size:
+            raise _refuse(
+                f"kernel block size {int(kernel)} != KV block size {block_size} (the runner's kernel_block_sizes)",
+                f"cache_config.block_size (--block-size) {int(kernel)}, a size the attention backend takes "
+                "natively, or enable_prefix_caching=False",
+                "kernel_block_size",
+            )
+
+    # Sub-block prefix matching: hashes (and so hits) finer than a block.
+    for owner, obj in (("cache_config", cache_config), ("kv_cache_config", kv_cache_config)):
+        for name in ("prefix_match_unit", "hash_block_size", "cache_hit_alignment_tokens"):
+            value = getattr(obj, name, None)
+            if value is None or not int(value) % block_size:
+                continue
+            raise _refuse(
+                f"sub-block prefix matching ({owner}.{name}={int(value)} with block size {block_size})",
+                f"unset cache_config.prefix_match_unit (or set it to {block_size}), or enable_prefix_caching=False",
+                "sub_block_matching",
+            )
+
+    max_tokens = getattr(scheduler_config, "max_num_batched_tokens", None)
+    if max_tokens is None:
+        raise ConfigError("scheduler_config.max_num_batched_tokens is not set; the cache sizes staging from it")
+    return CacheConfig(
+        num_blocks=int(kv_cache_config.num_blocks),
+        block_size=block_size,
+        staging_capacity_tokens=int(max_tokens),
+        **cache_options,
+    )

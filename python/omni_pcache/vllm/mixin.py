@@ -1,0 +1,180 @@
+"""`PrefixCacheRunnerMixin`: the hooks a vLLM GPU model runner calls, in the order it calls them.
+
+A runner class lists the mixin as a base and calls (see the README, "Using it in a vLLM runner"):
+
+1. ``pcache_init(...)`` at KV-cache init, on every rank: runs the gate
+   (`cache_config_from_vllm`; raises `ConfigError` for refused configurations) and remembers
+   whether this rank produces outputs. Returns whether the stage has a cache.
+2. ``pcache_load_policy(policy)`` at model load: the model's `CachePolicy` (what it caches).
+   Allowed until the first step; the cache is built lazily at the first ``pcache_begin_step``.
+3. ``pcache_begin_step(scheduler_output)`` at the start of ``execute_model``, for every
+   SchedulerOutput (zero-token steps included), before ``_update_states`` drops finished
+   requests and before any KV transfer: updates the block tracker and calls ``begin_step``.
+4. ``pcache_save(hidden, mm, scheduler_output, req_ids, num_tokens_padded)`` after the forward
+   (only steps that ran one) → a step id to carry with the step's state.
+5. ``pcache_materialize(step_id, req_ids)`` in the output builder (any thread, possibly a step
+   late) → `StepOutputs`, or ``pcache_discard(step_id)`` when nothing downstream needs them.
+   Each step id must be consumed exactly once.
+6. ``pcache_shutdown()`` before CUDA teardown (idempotent).
+
+On a stage without a cache (prefix caching off, pooling) every hook is a no-op, ``pcache_save``
+returns ``None`` and ``pcache_materialize(None, ...)`` returns ``None``. On ranks that produce
+no outputs the hooks run a `NoOpCache` and skip the block tracking. The mixin defines no
+``__init__``: its state lives in one attribute, ``_pcache_state``, set by ``pcache_init``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from omni_pcache.cache import PrefixCache
+from omni_pcache.config import CacheConfig, CachePolicy
+from omni_pcache.errors import ConfigError
+from omni_pcache.events import StepOutputs
+from omni_pcache.stats import CacheStats
+from omni_pcache.vllm.gate import cache_config_from_vllm
+from omni_pcache.vllm.ranks import NoOpCache, is_output_rank
+from omni_pcache.vllm.tracker import BlockTracker
+from omni_pcache.vllm.translate import step_batch, step_events
+
+
+@dataclass
+class PcacheState:
+    """What the mixin keeps between hooks: the gated config, whether this rank produces outputs,
+    the model's policy, the cache once built, and the block tracker."""
+
+    config: CacheConfig
+    output_rank: bool
+    policy: CachePolicy | None = None
+    cache: PrefixCache | NoOpCache | None = None
+    tracker: BlockTracker = field(default_factory=BlockTracker)
+
+
+class PrefixCacheRunnerMixin:
+    """Hooks that plug an omni_pcache `PrefixCache` into a vLLM model runner (see the module doc)."""
+
+    _pcache_state: PcacheState | None = None
+    _pcache_policy: CachePolicy | None = None
+
+    # ---- KV-cache init and model load ----------------------------------------------------
+
+    def pcache_init(
+        self,
+        *,
+        cache_config: Any,
+        kv_cache_config: Any,
+        kv_transfer_config: Any,
+        scheduler_config: Any,
+        model_config: Any,
+        speculative_config: Any,
+        parallel_config: Any,
+        is_pooling: bool,
+        is_last_pipeline_stage: bool,
+        tensor_parallel_rank: int,
+        kernel_block_sizes: Sequence[int] | None = None,
+        **cache_options: Any,
+    ) -> bool:
+        """Gates the configuration at KV-cache init (every rank). Returns whether this stage
+        has a cache; raises `ConfigError` for a refused configuration. A second call (KV cache
+        re-initialized) closes the previous cache first."""
+        self.pcache_shutdown()
+        config = cache_config_from_vllm(
+            cache_config=cache_config,
+            kv_cache_config=kv_cache_config,
+            kv_transfer_config=kv_transfer_config,
+            scheduler_config=scheduler_config,
+            model_config=model_config,
+            speculative_config=speculative_config,
+            parallel_config=parallel_config,
+            is_pooling=is_pooling,
+            kernel_block_sizes=kernel_block_sizes,
+            **cache_options,
+        )
+        if config is None:
+            self._pcache_state = None
+            return False
+        output = is_output_rank(
+            is_last_pipeline_stage=is_last_pipeline_stage, tensor_parallel_rank=tensor_parallel_rank
+        )
+        self._pcache_state = PcacheState(config, output, self._pcache_policy)
+        return True
+
+    def pcache_load_policy(self, policy: CachePolicy | None) -> None:
+        """Snapshots the model's `CachePolicy` (``None``: the default) at model load."""
+        if policy is not None and not isinstance(policy, CachePolicy):
+            raise ConfigError(f"pcache_load_policy takes a CachePolicy, got {type(policy).__name__}")
+        state = self._pcache_state
+        if state is not None and state.cache is not None:
+            raise ConfigError("the cache policy is fixed once the first step has run; load it at model load")
+        self._pcache_policy = policy
+        if state is not None:
+            state.policy = policy
+
+    # ---- per step ------------------------------------------------------------------------
+
+    @property
+    def pcache(self) -> PrefixCache | NoOpCache | None:
+        """The cache (a `NoOpCache` off the output rank); ``None`` before the first step or
+        when the stage has no cache."""
+        state = self._pcache_state
+        return None if state is None else state.cache
+
+    def pcache_begin_step(self, scheduler_output: Any) -> None:
+        """Tells the cache about one SchedulerOutput (start of ``execute_model``, before the
+        runner drops finished requests). Builds the cache at the first call."""
+        state = self._pcache_state
+        if state is None:
+            return
+        if state.cache is None:
+            make = PrefixCache if state.output_rank else NoOpCache
+            state.cache = make(state.config, state.policy)
+        if not state.output_rank:
+            return
+        state.tracker.update(scheduler_output)
+        state.cache.begin_step(step_events(scheduler_output, state.tracker))
+
+    def pcache_save(
+        self,
+        hidden: Any,
+        mm: dict[str, Any] | None,
+        scheduler_output: Any,
+        req_ids: Sequence[str],
+        num_tokens_padded: int | None = None,
+    ) -> int | None:
+        """Saves the forward's outputs (rows in ``req_ids`` order, ``num_tokens_padded`` rows
+        when CUDA graphs pad) and returns the step id, ``None`` without a cache."""
+        state = self._pcache_state
+        if state is None:
+            return None
+        if state.cache is None:
+            raise ConfigError("pcache_save before pcache_begin_step: every step must begin first")
+        if not state.output_rank:
+            return state.cache.save(hidden, mm, None)  # type: ignore[arg-type]
+        batch = step_batch(scheduler_output, state.tracker, req_ids, state.config.block_size, num_tokens_padded)
+        return state.cache.save(hidden, mm, batch)
+
+    def pcache_materialize(self, step_id: int | None, req_ids: Sequence[str]) -> StepOutputs | None:
+        """Per-request full-sequence outputs of a saved step (any thread); ``None`` for ``None``."""
+        state = self._pcache_state
+        if step_id is None or state is None or state.cache is None:
+            return None
+        return state.cache.materialize(step_id, req_ids)
+
+    def pcache_discard(self, step_id: int | None) -> None:
+        """Consumes a step id whose outputs nobody needs (any thread)."""
+        state = self._pcache_state
+        if step_id is not None and state is not None and state.cache is not None:
+            state.cache.discard(step_id)
+
+    def pcache_stats(self) -> CacheStats | None:
+        """The cache's counters, ``None`` when there is no cache."""
+        cache = self.pcache
+        return None if cache is None else cache.stats()
+
+    def pcache_shutdown(self) -> None:
+        """Closes the cache (writes what is queued, stops its thread). Idempotent."""
+        state = self._pcache_state
+        if state is not None and state.cache is not None:
+            state.cache.close()

@@ -1,0 +1,126 @@
+"""`BlockTracker`: each live request's KV block ids, mirrored from vLLM's SchedulerOutputs alone.
+
+vLLM 0.33's default V2 model runner keeps no block table on the CPU, and the classic V1 runner's
+table is runner-internal; both receive the same `SchedulerOutput` each step. Applying those
+outputs in order reproduces every request's block list, so the adapter works under both runners
+and never reads runner state or device memory. Contract of `BlockTracker.update` (one call per
+SchedulerOutput, in order, including steps with zero scheduled tokens):
+
+- ``finished_req_ids`` (finished or aborted) are forgotten first;
+- ``preempted_req_ids`` lose their blocks (freed by the scheduler) but stay known until they
+  come back or finish;
+- each ``scheduled_new_reqs`` entry sets its request's list to ``block_ids[0]``, also when the id
+  is already known (V2 sends resumed requests as new ones: the list is replaced);
+- each ``scheduled_cached_reqs`` entry appends ``new_block_ids[i][0]`` (``None`` = no new blocks),
+  or replaces the list when the id is in ``resumed_req_ids``.
+
+A ``SchedulerOutput`` carrying ``kv_cache_block_copies`` is refused with `ConfigError` (the
+scheduler copies a block's KV for a sub-block hit; the cache does not mirror those copies), and
+one naming a running request the tracker does not hold raises `InvalidInputError`; both before
+anything changes. Engine thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from omni_pcache.errors import ConfigError, InvalidInputError
+
+
+def _group0(block_ids: Any, req_id: str) -> list[int] | None:
+    """The single KV group's block ids out of vLLM's per-group tuple (``None`` stays ``None``)."""
+    if block_ids is None:
+        return None
+    if len(block_ids) != 1:
+        raise ConfigError(
+            f"request {req_id!r} has block ids for {len(block_ids)} KV-cache groups; the cache serves exactly "
+            "one full-attention group (see omni_pcache.vllm.cache_config_from_vllm)"
+        )
+    return list(block_ids[0])
+
+
+def resumed_ids(cached: Any) -> set[str]:
+    """Ids of ``CachedRequestData`` entries whose ``new_block_ids`` replace the block list:
+    ``resumed_req_ids`` (vLLM >= 0.11), or the older per-entry ``resumed_from_preemption``."""
+    resumed = getattr(cached, "resumed_req_ids", None)
+    if resumed is not None:
+        return set(resumed)
+    flags = getattr(cached, "resumed_from_preemption", None) or ()
+    return {req_id for req_id, flag in zip(cached.req_ids, flags, strict=False) if flag}
+
+
+class BlockTracker:
+    """Block ids (KV group 0) of every request the scheduler has sent and not yet finished."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[str, list[int] | None] = {}  # None: preempted, blocks freed
+
+    def update(self, scheduler_output: Any) -> None:
+        """Applies one SchedulerOutput (see the module doc for the rules)."""
+        so = scheduler_output
+        if getattr(so, "kv_cache_block_copies", None):
+            copies = list(so.kv_cache_block_copies)
+            raise ConfigError(
+                f"SchedulerOutput.kv_cache_block_copies holds {len(copies)} block copies (first: {copies[0]!r}): "
+                "the scheduler matched a prefix inside a block. The cache mirrors whole blocks only; unset "
+                "cache_config.prefix_match_unit (sub-block prefix matching) or set enable_prefix_caching=False"
+            )
+        cached = so.scheduled_cached_reqs
+        resumed = resumed_ids(cached)
+        finished = set(so.finished_req_ids or ())
+        preempted = set(getattr(so, "preempted_req_ids", None) or ())
+        # Check everything before changing anything.
+        new_lists = [(req.req_id, _group0(req.block_ids, req.req_id)) for req in so.scheduled_new_reqs]
+        cached_lists = list(zip(cached.req_ids, cached.new_block_ids, strict=True))
+        gone = finished | preempted
+        get = self._blocks.get
+        for req_id, new_ids in cached_lists:
+            if new_ids is not None and len(new_ids) != 1:
+                _group0(new_ids, req_id)  # raises
+            if req_id not in resumed and (get(req_id) is None or req_id in gone):
+                if req_id in finished:
+                    state = "reported finished in the same output, so unknown"
+                else:
+                    state = "preempted" if req_id in self._blocks or req_id in preempted else "unknown"
+                raise InvalidInputError(
+                    f"SchedulerOutput schedules running request {req_id!r}, which is {state} to the tracker: "
+                    "every SchedulerOutput must reach pcache_begin_step, in order"
+                )
+        for req_id in finished:
+            self._blocks.pop(req_id, None)
+        for req_id in preempted:
+            if req_id in self._blocks:
+                self._blocks[req_id] = None
+        for req_id, blocks in new_lists:
+            self._blocks[req_id] = [] if blocks is None else blocks
+        for req_id, new_ids in cached_lists:
+            if req_id in resumed:
+                self._blocks[req_id] = [] if new_ids is None else list(new_ids[0])
+            elif new_ids is not None and new_ids[0]:
+                self._blocks[req_id].extend(new_ids[0])  # type: ignore[union-attr]
+
+    def blocks(self, req_id: str) -> list[int]:
+        """The block ids of a live, not preempted request (the tracker's list: do not modify)."""
+        blocks = self._blocks.get(req_id)
+        if blocks is None:
+            state = "preempted" if req_id in self._blocks else "unknown"
+            raise InvalidInputError(f"request {req_id!r} is {state} to the block tracker; it has no blocks")
+        return blocks
+
+    def lists(self, req_ids: Sequence[str]) -> list[list[int]]:
+        """`blocks` of each of ``req_ids``, in order (one call per step instead of one per request)."""
+        get = self._blocks.get
+        out = [get(r) for r in req_ids]
+        if None in out:
+            self.blocks(req_ids[out.index(None)])  # raises, naming the request
+        return out  # type: ignore[return-value]
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._blocks)

@@ -1,0 +1,447 @@
+"""Tests of `omni_pcache.vllm`, the vLLM runner adapter, WITHOUT vLLM installed.
+
+Every vLLM object here is a stand-in (tests/vllm_standins.py): dataclasses with vLLM 0.33's class
+names and field lists (``SchedulerOutput``, ``NewRequestData``, ``CachedRequestData``,
+``KVCacheBlockCopy``, the KV-cache specs and the config fields the gate reads), not vLLM's own
+classes. tests/test_vllm_real.py replays the same recorded sequence with vLLM's real types when
+they can be imported (`just test-vllm`).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import vllm_standins as v
+from omni_pcache import CacheConfig, CachePolicy, ConfigError, InvalidInputError, PrefixCache
+from omni_pcache.vllm import (
+    BlockTracker,
+    NoOpCache,
+    PrefixCacheRunnerMixin,
+    build_cache,
+    cache_config_from_vllm,
+    slot_mapping,
+    step_batch,
+    step_events,
+)
+from vllm_replay import (
+    BLOCK_SIZE,
+    RECORDED,
+    New,
+    Runner,
+    Scenario,
+    Step,
+    full_rows,
+    record_engine_run,
+    replay,
+    scheduler_output,
+    stage_configs,
+    standin_types,
+)
+
+T = standin_types()
+
+
+# ---- the recorded sequence through the mixin and a real cache ----------------------------------
+
+
+@pytest.mark.parametrize("output", ["inline", "late", "thread"])
+@pytest.mark.parametrize("order", ["scheduler", "shuffled"])
+def test_recorded_sequence_returns_every_full_sequence_row(order: str, output: str) -> None:
+    runner = replay(T, order=order, output=output)
+    stats = runner.pcache_stats()
+    assert stats.hits == 3  # B on A's prefix, D on C's same-step block, F on aborted E's block
+    assert stats.misses == 3  # A, C, E
+    assert stats.rows_from_pool + stats.rows_in_flight + stats.rows_preserved > 0
+
+
+def test_step_events_of_the_recorded_sequence() -> None:
+    tracker = BlockTracker()
+    events = []
+    for step in RECORDED:
+        so = scheduler_output(T, step)
+        tracker.update(so)
+        events.append(step_events(so, tracker))
+    assert [(r.req_id, list(r.block_ids), r.num_computed_tokens) for r in events[1].new] == [
+        ("B", [1, 2, 4], 8),
+        ("C", [5, 6, 7], 0),
+        ("D", [5, 8], 4),
+    ]
+    assert events[2].finished == ["E"]
+    assert [(r.req_id, list(r.block_ids), r.num_computed_tokens) for r in events[3].resumed] == [("B", [1, 2, 9], 8)]
+    assert [(r.req_id, list(r.block_ids), r.num_computed_tokens) for r in events[5].new] == [("D", [5, 8, 16], 8)]
+    assert events[6].finished == ["A", "B", "F"]
+    assert set(tracker) == set()  # everything finished
+
+
+# ---- import without vLLM -------------------------------------------------------------------------
+
+
+def test_import_does_not_need_vllm() -> None:
+    code = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'vllm' or name.startswith('vllm.'):\n"
+        "            raise ImportError('vllm is blocked in this test')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import omni_pcache.vllm\n"
+        "from omni_pcache.vllm import PrefixCacheRunnerMixin, cache_config_from_vllm\n"
+        "assert 'vllm' not in sys.modules, sorted(m for m in sys.modules if m.startswith('vllm'))\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+# ---- the gate ------------------------------------------------------------------------------------
+
+
+def configs(**changes):
+    """Stand-in configs of a servable stage (block size 16, 1000 blocks), with ``changes``."""
+    spec = changes.pop("spec", v.FullAttentionSpec(block_size=16))
+    kw = {
+        "cache_config": v.CacheConfig(block_size=16),
+        "kv_cache_config": v.KVCacheConfig(1000, [], [v.KVCacheGroupSpec(["l0", "l1"], spec)]),
+        "kv_transfer_config": None,
+        "scheduler_config": v.SchedulerConfig(max_num_batched_tokens=512),
+        "model_config": v.ModelConfig(),
+        "speculative_config": None,
+        "parallel_config": v.ParallelConfig(),
+        "is_pooling": False,
+    }
+    kw.update(changes)
+    return kw
+
+
+def test_gate_sizes_the_cache_from_vllm() -> None:
+    config = cache_config_from_vllm(**configs())
+    assert config == CacheConfig(num_blocks=1000, block_size=16, staging_capacity_tokens=512)
+    tuned = cache_config_from_vllm(**configs(), staging_depth=6, threaded=False)
+    assert tuned.staging_depth == 6 and not tuned.threaded
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"cache_config": v.CacheConfig(block_size=16, enable_prefix_caching=False)},
+        {"is_pooling": True},
+        {"model_config": v.ModelConfig(runner_type="pooling")},
+    ],
+    ids=["prefix-caching-off", "is-pooling", "pooling-runner"],
+)
+def test_gate_returns_none_when_no_cache_is_needed(changes) -> None:
+    assert cache_config_from_vllm(**configs(**changes)) is None
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        v.FullAttentionSpec(block_size=16),
+        v.FullAttentionSpec(block_size=16, sliding_window=64),  # hybrid manager off: kept as full
+        v.MLAAttentionSpec(block_size=16),
+        v.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"a": v.FullAttentionSpec(block_size=16)}),
+    ],
+    ids=["full", "full-with-window", "mla-subclass", "uniform-full"],
+)
+def test_gate_accepts_full_attention_and_its_subclasses(spec) -> None:
+    assert cache_config_from_vllm(**configs(spec=spec)).block_size == 16
+
+
+def test_gate_accepts_a_kv_producer() -> None:
+    producer = v.KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_producer")
+    assert cache_config_from_vllm(**configs(kv_transfer_config=producer)) is not None
+
+
+REFUSED = {
+    "kv-consumer": ({"kv_transfer_config": v.KVTransferConfig("NixlConnector", "kv_consumer")}, "kv_role"),
+    "kv-both": ({"kv_transfer_config": v.KVTransferConfig("LMCacheConnectorV1", "kv_both")}, "kv_role"),
+    "speculative": ({"speculative_config": v.SpeculativeConfig()}, "speculative_config"),
+    "two-groups": (
+        {
+            "kv_cache_config": v.KVCacheConfig(
+                1000,
+                [],
+                [
+                    v.KVCacheGroupSpec(["l0"], v.FullAttentionSpec(block_size=16)),
+                    v.KVCacheGroupSpec(["l1"], v.SlidingWindowSpec(block_size=16)),
+                ],
+            )
+        },
+        "disable_hybrid_kv_cache_manager",
+    ),
+    "sliding-window-group": ({"spec": v.SlidingWindowSpec(block_size=16)}, "disable_hybrid_kv_cache_manager"),
+    "mamba-group": ({"spec": v.MambaSpec(block_size=16)}, "kv_cache_groups[0] is MambaSpec"),
+    "kernel-block-size": ({"kernel_block_sizes": [8]}, "block_size"),
+    "decode-context-parallel": (
+        {"parallel_config": v.ParallelConfig(decode_context_parallel_size=2)},
+        "decode_context_parallel_size",
+    ),
+    "sub-block-prefix-match": (
+        {"cache_config": v.CacheConfig(block_size=16, prefix_match_unit=4)},
+        "prefix_match_unit",
+    ),
+    "sub-block-hash-size": (
+        {
+            "kv_cache_config": v.KVCacheConfig(
+                1000, [], [v.KVCacheGroupSpec(["l0"], v.FullAttentionSpec(block_size=16))], 8
+            )
+        },
+        "prefix_match_unit",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_gate_refuses_with_the_option_to_change(case: str) -> None:
+    changes, option = REFUSED[case]
+    with pytest.raises(ConfigError, match="cannot serve") as info:
+        cache_config_from_vllm(**configs(**changes))
+    assert option in str(info.value), str(info.value)
+    assert "enable_prefix_caching=False" in str(info.value)
+
+
+def test_a_consumer_role_without_a_connector_is_not_a_consumer() -> None:
+    # vLLM's is_kv_consumer needs a connector: nothing is loaded, nothing to refuse.
+    assert cache_config_from_vllm(**configs(kv_transfer_config=v.KVTransferConfig(None, "kv_consumer"))) is not None
+
+
+# ---- the block tracker ---------------------------------------------------------------------------
+
+
+def so_of(**fields):
+    """A stand-in SchedulerOutput with empty defaults."""
+    cached = fields.pop("cached", v.CachedRequestData.make_empty())
+    new = fields.pop("new", [])
+    counts = fields.pop("counts", {})
+    return v.SchedulerOutput(
+        scheduled_new_reqs=new,
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens=counts,
+        total_num_scheduled_tokens=sum(counts.values()),
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        finished_req_ids=fields.pop("finished", set()),
+        free_encoder_mm_hashes=[],
+        **fields,
+    )
+
+
+def new_req(req_id: str, blocks: list[int], computed: int = 0) -> v.NewRequestData:
+    return v.NewRequestData(req_id, [1, 2, 3], [], None, None, (blocks,), computed, None)
+
+
+def cached(entries: list[tuple[str, list[int] | None, int]], resumed: set[str] = frozenset()) -> v.CachedRequestData:
+    return v.CachedRequestData(
+        req_ids=[r for r, _, _ in entries],
+        resumed_req_ids=set(resumed),
+        new_token_ids=[],
+        all_token_ids={},
+        new_block_ids=[None if b is None else (b,) for _, b, _ in entries],
+        num_computed_tokens=[n for _, _, n in entries],
+        num_output_tokens=[0 for _ in entries],
+    )
+
+
+def test_tracker_appends_replaces_and_forgets() -> None:
+    t = BlockTracker()
+    t.update(so_of(new=[new_req("a", [1, 2]), new_req("b", [3])], counts={"a": 8, "b": 2}))
+    t.update(so_of(cached=cached([("a", [4], 8), ("b", None, 2)]), counts={"a": 1, "b": 1}))
+    assert t.blocks("a") == [1, 2, 4] and t.blocks("b") == [3]
+    t.update(so_of(preempted_req_ids={"b"}, cached=cached([("a", None, 9)]), counts={"a": 1}))
+    assert "b" in t
+    with pytest.raises(InvalidInputError, match="preempted"):
+        t.blocks("b")
+    t.update(so_of(cached=cached([("b", [7, 8], 4)], resumed={"b"}), counts={"b": 2}))  # V1 resume
+    assert t.blocks("b") == [7, 8]
+    t.update(so_of(new=[new_req("a", [9, 10], 4)], counts={"a": 2}))  # V2 resume: sent as new
+    assert t.blocks("a") == [9, 10]
+    t.update(so_of(finished={"a", "b", "never-seen"}))
+    assert len(t) == 0
+
+
+def test_tracker_refuses_block_copies_and_changes_nothing() -> None:
+    t = BlockTracker()
+    t.update(so_of(new=[new_req("a", [1])], counts={"a": 4}))
+    so = so_of(
+        finished={"a"}, new=[new_req("b", [2])], counts={"b": 4}, kv_cache_block_copies=[v.KVCacheBlockCopy(1, 2)]
+    )
+    with pytest.raises(ConfigError, match=r"kv_cache_block_copies.*prefix_match_unit"):
+        t.update(so)
+    assert list(t) == ["a"] and t.blocks("a") == [1]
+    t.update(so_of(kv_cache_block_copies=[]))  # empty list: nothing to mirror
+
+
+def test_tracker_rejects_a_running_request_it_does_not_know() -> None:
+    t = BlockTracker()
+    with pytest.raises(InvalidInputError, match="unknown to the tracker"):
+        t.update(so_of(cached=cached([("x", [1], 4)]), counts={"x": 1}))
+    t.update(so_of(new=[new_req("p", [1])], counts={"p": 4}))
+    t.update(so_of(preempted_req_ids={"p"}))
+    with pytest.raises(InvalidInputError, match="preempted to the tracker"):
+        t.update(so_of(new=[new_req("q", [2])], cached=cached([("p", [3], 4)]), counts={"p": 1, "q": 4}))
+    assert "q" not in t  # nothing applied
+
+
+def test_tracker_refuses_several_kv_groups() -> None:
+    req = v.NewRequestData("a", [1], [], None, None, ([1], [2]), 0, None)
+    with pytest.raises(ConfigError, match="2 KV-cache groups"):
+        BlockTracker().update(so_of(new=[req], counts={"a": 1}))
+
+
+# ---- slot mapping --------------------------------------------------------------------------------
+
+
+def test_slot_mapping_matches_the_per_token_formula() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        bs = int(rng.choice([1, 2, 4, 16]))
+        lists, starts, counts, want = [], [], [], []
+        for _ in range(int(rng.integers(0, 6))):
+            start, count = int(rng.integers(0, 40)), int(rng.integers(0, 12))
+            blocks = rng.permutation(1000)[: -(-(start + count) // bs) + int(rng.integers(0, 3))].tolist()
+            lists.append(blocks)
+            starts.append(start)
+            counts.append(count)
+            want += [blocks[p // bs] * bs + p % bs for p in range(start, start + count)]
+        got = slot_mapping(lists, np.array(starts, dtype=np.int64), np.array(counts, dtype=np.int64), bs)
+        assert got.dtype == np.int64 and got.tolist() == want
+
+
+def test_slot_mapping_refuses_a_short_block_list() -> None:
+    with pytest.raises(InvalidInputError, match="need 3 blocks of 4 but the request has 2"):
+        slot_mapping([[5, 6]], np.array([6]), np.array([4]), 4)
+
+
+def test_step_batch_checks_the_rows_against_the_scheduler_output() -> None:
+    t = BlockTracker()
+    so = so_of(new=[new_req("a", [3, 4]), new_req("b", [5], 0)], counts={"a": 6, "b": 2})
+    t.update(so)
+    batch = step_batch(so, t, ["b", "a"], 4, num_tokens_padded=16)
+    assert batch.req_ids == ["b", "a"] and list(batch.num_scheduled_tokens) == [2, 6]
+    assert batch.slot_mapping.tolist() == [20, 21, 12, 13, 14, 15, 16, 17] and batch.num_tokens_padded == 16
+    with pytest.raises(InvalidInputError, match="not scheduled"):
+        step_batch(so, t, ["a", "z"], 4)
+    with pytest.raises(InvalidInputError, match=r"\['b'\] are missing"):
+        step_batch(so, t, ["a"], 4)
+
+
+# ---- ranks and the mixin off the happy path ------------------------------------------------------
+
+
+def test_only_the_output_rank_gets_a_cache() -> None:
+    config = CacheConfig(num_blocks=8, block_size=4, staging_capacity_tokens=16)
+    real = build_cache(config, is_last_pipeline_stage=True, tensor_parallel_rank=0)
+    try:
+        assert isinstance(real, PrefixCache)
+    finally:
+        real.close()
+    for last, tp in [(False, 0), (True, 1), (False, 3)]:
+        noop = build_cache(config, is_last_pipeline_stage=last, tensor_parallel_rank=tp)
+        assert isinstance(noop, NoOpCache)
+
+
+@pytest.mark.parametrize(
+    "rank",
+    [
+        {"is_last_pipeline_stage": False, "tensor_parallel_rank": 0},
+        {"is_last_pipeline_stage": True, "tensor_parallel_rank": 1},
+    ],
+)
+def test_the_mixin_is_a_no_op_on_other_ranks(rank) -> None:
+    runner = Runner("scheduler", "inline")
+    assert runner.pcache_init(**stage_configs(T), **rank)
+    so = scheduler_output(T, RECORDED[0])
+    runner.pcache_begin_step(so)
+    assert isinstance(runner.pcache, NoOpCache)
+    first = runner.pcache_save(torch.zeros(18, 4), {}, so, ["A", "E"])
+    second = runner.pcache_save(torch.zeros(18, 4), {}, so, ["A", "E"])
+    assert first != second
+    out = runner.pcache_materialize(first, ["A", "E"])
+    assert out.hidden is None and out.mm == {}
+    runner.pcache_discard(second)
+    assert runner.pcache_stats().hits == 0
+    assert len(runner._pcache_state.tracker) == 0  # no tracking off the output rank
+    runner.pcache_shutdown()
+
+
+def test_the_mixin_does_nothing_without_a_cache() -> None:
+    class R(PrefixCacheRunnerMixin):
+        pass
+
+    runner = R()
+    off = stage_configs(T) | {"cache_config": v.CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False)}
+    assert not runner.pcache_init(**off, is_last_pipeline_stage=True, tensor_parallel_rank=0)
+    so = scheduler_output(T, RECORDED[0])
+    runner.pcache_begin_step(so)
+    assert runner.pcache_save(torch.zeros(18, 4), {}, so, ["A", "E"]) is None
+    assert runner.pcache_materialize(None, ["A", "E"]) is None
+    runner.pcache_discard(None)
+    assert runner.pcache is None and runner.pcache_stats() is None
+    runner.pcache_shutdown()
+
+
+def test_the_mixin_discards_and_fixes_the_policy_at_the_first_step() -> None:
+    runner = Runner("scheduler", "inline")
+    runner.pcache_load_policy(CachePolicy(token_keys=frozenset()))
+    assert runner.pcache_init(**stage_configs(T), is_last_pipeline_stage=True, tensor_parallel_rank=0)
+    try:
+        so = scheduler_output(T, RECORDED[0])
+        runner.pcache_begin_step(so)
+        with pytest.raises(ConfigError, match="fixed once the first step"):
+            runner.pcache_load_policy(CachePolicy())
+        step_id = runner.pcache_save(torch.zeros(18, 4), {}, so, ["A", "E"], num_tokens_padded=18)
+        runner.pcache_discard(step_id)
+        assert runner.pcache_stats().steps_outstanding == []
+        assert runner.pcache.policy.token_keys == frozenset()
+    finally:
+        runner.pcache_shutdown()
+        runner.pcache_shutdown()  # idempotent
+
+
+def test_the_recorded_sequence_is_refused_with_block_copies_mid_run() -> None:
+    runner = Runner("scheduler", "inline")
+    assert runner.pcache_init(**stage_configs(T), is_last_pipeline_stage=True, tensor_parallel_rank=0)
+    try:
+        runner.pcache_begin_step(scheduler_output(T, RECORDED[0]))
+        so = scheduler_output(T, Step(finished={"A", "E"}))
+        so.kv_cache_block_copies = [v.KVCacheBlockCopy(src_block_id=1, dst_block_id=2)]
+        with pytest.raises(ConfigError, match="kv_cache_block_copies"):
+            runner.pcache_begin_step(so)
+    finally:
+        runner.pcache_shutdown()
+
+
+@pytest.mark.parametrize("runner_kind", ["v1", "v2"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_engine_recorded_runs_return_every_full_sequence_row(seed: int, runner_kind: str) -> None:
+    """Longer recordings from the embedded engine's scheduler (vLLM's prefix-caching and
+    scheduling rules), with many preemptions, evictions and aborts, sent as vLLM 0.33 sends
+    them to a V1 runner (resumed_req_ids) or to a V2 runner (resumed requests as new)."""
+    scenario, counters = record_engine_run(seed, v2=runner_kind == "v2")
+    assert counters["hits"] and counters["preemptions"] and counters["aborted"]
+    replay(T, order="shuffled", output="late", scenario=scenario)
+
+
+def test_an_aborted_request_resubmitted_with_its_id_gets_its_full_sequence_again() -> None:
+    """vLLM may report an id finished and schedule it as new in the same SchedulerOutput (aborted,
+    then resubmitted with the same id): the adapter must finish the old one first."""
+    tokens = {"X": [5, 6, 7, 8, 9, 10, 11, 12, 13]}
+    scenario = Scenario([], tokens, {"X": tokens["X"][:8]}, {})
+    runner = Runner("scheduler", "inline", tokens)
+    assert runner.pcache_init(**stage_configs(T), is_last_pipeline_stage=True, tensor_parallel_rank=0)
+    try:
+        first = scheduler_output(T, Step(new=[New("X", [1, 2], 0, 8)]), scenario)
+        runner.execute_model(first, 1, {"X": 0})
+        again = scheduler_output(T, Step(finished={"X"}, new=[New("X", [1, 3], 4, 4)]), scenario)
+        runner.execute_model(again, 2, {"X": 4})
+    finally:
+        runner.pcache_shutdown()
+    want_hidden, want_codes = full_rows(tokens["X"], 8)
+    assert len(runner.received["X"]) == 2
+    for hidden, codes in runner.received["X"]:
+        assert torch.equal(hidden, want_hidden) and torch.equal(codes, want_codes)

@@ -1,0 +1,185 @@
+"""The vLLM adapter against vLLM 0.33's REAL types (skipped where vLLM cannot be imported).
+
+Run with `just test-vllm`: it builds a separate, cached environment (.venv-vllm, see
+scripts/setup-vllm.sh) holding vLLM 0.33.0 and the few packages its scheduler, KV-cache and
+config modules import (installed with --no-deps, torch borrowed from .venv), then runs this file.
+The default suite (.venv, no vLLM) skips it; tests/test_vllm_adapter.py covers the same
+behaviour with stand-ins.
+
+Here the recorded scheduler sequence of tests/vllm_replay.py (and two recordings from the
+embedded engine's scheduler, V1 and V2 style) is built from vLLM's own ``SchedulerOutput``,
+``NewRequestData`` and ``CachedRequestData``, the stage's configs from vLLM's ``CacheConfig``,
+``SchedulerConfig``, ``ParallelConfig``, ``KVCacheConfig`` and ``FullAttentionSpec``, and
+replayed through the mixin with a real cache; the gate is checked against real configs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from types import SimpleNamespace
+
+import pytest
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    if os.environ.get("OMNI_PCACHE_REQUIRE_VLLM"):  # `just test-vllm`: a broken install fails, never skips
+        import vllm  # noqa: F401
+    else:
+        pytest.importorskip("vllm", reason="vLLM is not installed here (run `just test-vllm`)")
+    import torch
+    from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
+    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+from omni_pcache import ConfigError
+from omni_pcache.vllm import BlockTracker, cache_config_from_vllm, step_events
+from vllm_replay import RECORDED, Step, record_engine_run, replay, scheduler_output
+
+REAL = SimpleNamespace(
+    SchedulerOutput=SchedulerOutput,
+    NewRequestData=NewRequestData,
+    CachedRequestData=CachedRequestData,
+    CacheConfig=CacheConfig,
+    # vLLM validates max_num_seqs <= max_num_batched_tokens; the replayed stage is tiny.
+    SchedulerConfig=functools.partial(SchedulerConfig, max_num_seqs=8, max_model_len=4096, is_encoder_decoder=False),
+    ParallelConfig=ParallelConfig,
+    KVCacheConfig=KVCacheConfig,
+    KVCacheGroupSpec=KVCacheGroupSpec,
+    FullAttentionSpec=FullAttentionSpec,
+)
+
+
+def spec(cls=FullAttentionSpec, block_size: int = 16, **kw):
+    return cls(block_size=block_size, num_kv_heads=2, head_size=8, dtype=torch.float16, **kw)
+
+
+def configs(**changes):
+    kw = {
+        "cache_config": CacheConfig(block_size=16, enable_prefix_caching=True),
+        "kv_cache_config": KVCacheConfig(
+            num_blocks=1000, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec())]
+        ),
+        "kv_transfer_config": None,
+        "scheduler_config": REAL.SchedulerConfig(max_num_batched_tokens=512),
+        "model_config": None,
+        "speculative_config": None,
+        "parallel_config": ParallelConfig(),
+        "is_pooling": False,
+    }
+    kw.update(changes)
+    return kw
+
+
+@pytest.mark.parametrize("output", ["inline", "late", "thread"])
+def test_recorded_sequence_with_real_scheduler_outputs(output: str) -> None:
+    runner = replay(REAL, order="shuffled", output=output)
+    assert runner.pcache_stats().hits == 3
+
+
+@pytest.mark.parametrize("runner_kind", ["v1", "v2"])
+def test_engine_recording_with_real_scheduler_outputs(runner_kind: str) -> None:
+    scenario, counters = record_engine_run(0, v2=runner_kind == "v2")
+    assert counters["preemptions"] and counters["hits"]
+    replay(REAL, order="shuffled", output="late", scenario=scenario)
+
+
+def test_real_scheduler_outputs_translate_to_the_expected_events() -> None:
+    tracker = BlockTracker()
+    so = scheduler_output(REAL, RECORDED[0])
+    assert isinstance(so, SchedulerOutput) and isinstance(so.scheduled_new_reqs[0], NewRequestData)
+    for step in RECORDED[:4]:
+        so = scheduler_output(REAL, step)
+        tracker.update(so)
+        events = step_events(so, tracker)
+    assert [(r.req_id, list(r.block_ids), r.num_computed_tokens) for r in events.resumed] == [("B", [1, 2, 9], 8)]
+    assert tracker.blocks("A") == [1, 2, 3, 13]
+
+
+def test_real_block_copies_are_refused() -> None:
+    tracker = BlockTracker()
+    so = scheduler_output(REAL, Step())
+    so.kv_cache_block_copies = [KVCacheBlockCopy(src_block_id=3, dst_block_id=4)]
+    with pytest.raises(ConfigError, match="kv_cache_block_copies"):
+        tracker.update(so)
+
+
+def test_gate_with_real_configs() -> None:
+    config = cache_config_from_vllm(**configs())
+    assert (config.num_blocks, config.block_size, config.staging_capacity_tokens) == (1000, 16, 512)
+    mla = KVCacheConfig(
+        num_blocks=10, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec(MLAAttentionSpec))]
+    )
+    assert cache_config_from_vllm(**configs(kv_cache_config=mla)).block_size == 16
+    assert (
+        cache_config_from_vllm(**configs(cache_config=CacheConfig(block_size=16, enable_prefix_caching=False))) is None
+    )
+    producer = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_producer")
+    assert cache_config_from_vllm(**configs(kv_transfer_config=producer)) is not None
+
+
+REFUSED = {
+    "kv-consumer": (
+        lambda: {"kv_transfer_config": KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_consumer")},
+        "kv_role",
+    ),
+    "kv-both": (
+        lambda: {"kv_transfer_config": KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both")},
+        "kv_role",
+    ),
+    "speculative": (
+        lambda: {
+            "speculative_config": SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_max=3)
+        },
+        "speculative_config",
+    ),
+    "two-groups": (
+        lambda: {
+            "kv_cache_config": KVCacheConfig(
+                num_blocks=10,
+                kv_cache_tensors=[],
+                kv_cache_groups=[
+                    KVCacheGroupSpec(["l0"], spec()),
+                    KVCacheGroupSpec(["l1"], spec(SlidingWindowSpec, sliding_window=64)),
+                ],
+            )
+        },
+        "disable_hybrid_kv_cache_manager",
+    ),
+    "sliding-window": (
+        lambda: {
+            "kv_cache_config": KVCacheConfig(
+                num_blocks=10,
+                kv_cache_tensors=[],
+                kv_cache_groups=[KVCacheGroupSpec(["l0"], spec(SlidingWindowSpec, sliding_window=64))],
+            )
+        },
+        "SlidingWindowSpec",
+    ),
+    "decode-context-parallel": (
+        lambda: {"parallel_config": ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2)},
+        "decode_context_parallel_size",
+    ),
+    "prefix-match-unit": (
+        lambda: {"cache_config": CacheConfig(block_size=16, prefix_match_unit=4)},
+        "prefix_match_unit",
+    ),
+    "kernel-block-size": (lambda: {"kernel_block_sizes": [8]}, "block_size"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_gate_refuses_real_configs(case: str) -> None:
+    changes, option = REFUSED[case]
+    with pytest.raises(ConfigError, match="cannot serve") as info:
+        cache_config_from_vllm(**configs(**changes()))
+    assert option in str(info.value)
