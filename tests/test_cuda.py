@@ -8,16 +8,16 @@ import pytest
 import torch
 
 from cachekit import slots_of, small_cache
-from omni_pcache import NewRequest, StepBatch, StepEvents
+from omni_pcache import CachePolicy, NewRequest, StepBatch, StepEvents
 from omni_pcache.copy_engine import StepCopy
 
 pytestmark = pytest.mark.cuda
 BS = 4
 
 
-def run(device: str):
+def run(device: str, policy=None):
     outs = []
-    with small_cache() as cache:
+    with small_cache(policy=policy) as cache:
         for step, (new, req, blocks, start, count) in enumerate(
             [
                 (NewRequest("a", [0, 1, 2]), "a", [0, 1, 2], 0, 10),
@@ -36,6 +36,8 @@ def run(device: str):
             hidden.zero_()  # the engine reuses its buffers; the cache must already hold its copy
             mm["ref"].zero_()
             outs.append(cache.materialize(sid, [req]))
+            cache.begin_step(StepEvents(finished=[req]))  # flushes deferred rows
+            cache.flush()
         stats = cache.stats()
     return outs, stats, cache
 
@@ -50,6 +52,16 @@ def test_cuda_results_equal_the_cpu_path() -> None:
         for key, per_req in want.mm.items():
             for req, value in per_req.items():
                 assert torch.equal(got.mm[key][req], value)
+
+
+def test_cuda_deferred_keys_equal_the_cpu_path() -> None:
+    policy = CachePolicy(token_keys={"codes"}, deferred_keys={"codes"})
+    cuda_outs, stats, _ = run("cuda", policy)
+    cpu_outs, _, _ = run("cpu", policy)
+    for got, want in zip(cuda_outs, cpu_outs, strict=True):
+        for req, value in want.mm["codes"].items():
+            assert torch.equal(got.mm["codes"][req], value)
+    assert stats.device_bytes == 0 and stats.bytes_written["codes"] > 0
 
 
 def test_cuda_pool_and_staging_are_pinned() -> None:

@@ -258,7 +258,7 @@ class PrefixCache:
             self._make_room(need)
         clones = {}
         for spec in deferred:
-            clone = Clone(cached[spec.name][1][: shape.n].detach().clone(), holders, self._budget)
+            clone = Clone.of(cached[spec.name][1][: shape.n], holders, self._budget)
             if holders:
                 self._budget.charge(clone.nbytes)
             clones[spec.name] = clone
@@ -518,7 +518,7 @@ class PrefixCache:
                 start, count, drop = record.rows[req_id]
                 rows = {
                     name: (
-                        record.clones[name].tensor[start + drop : start + count].cpu().clone()
+                        record.clones[name].rows(start + drop, start + count).cpu().clone()
                         if name in record.clones
                         else self._pages.page(name, record.page)[start + drop : start + count].clone()
                     )

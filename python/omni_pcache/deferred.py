@@ -66,6 +66,24 @@ class Clone:
     holders: int
     budget: DeviceBudget
     owners: list = field(default_factory=list)  # the DeferredRecords holding a view
+    ready: torch.cuda.Event | None = None  # recorded after the clone on the compute stream
+
+    @classmethod
+    def of(cls, rows: torch.Tensor, holders: int, budget: DeviceBudget) -> Clone:
+        """Clones ``rows`` on their device (the compute stream, after the forward). Other threads
+        read it on other streams, so a CUDA clone records an event they wait before reading."""
+        tensor = rows.detach().clone()
+        ready = None
+        if tensor.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(tensor.device))
+        return cls(tensor, holders, budget, ready=ready)
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """A view of rows ``[start, stop)``, safe to read from any thread and stream."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.tensor[start:stop]
 
     @property
     def nbytes(self) -> int:
@@ -106,7 +124,7 @@ class DeferredRecord:
         self.num_rows += count
 
     def _device_rows(self, spec: KeySpec) -> torch.Tensor:
-        return torch.cat([clone.tensor[start : start + count] for clone, start, count in self.chunks[spec.name]])
+        return torch.cat([clone.rows(start, start + count) for clone, start, count in self.chunks[spec.name]])
 
     def prepare(self) -> None:
         """Copies every key's rows to the host in ``copy_chunk_bytes`` pieces (committer)."""
