@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 
@@ -38,3 +40,18 @@ def small_cache(**overrides) -> PrefixCache:
     cfg.update(overrides)
     policy = cfg.pop("policy", None)
     return PrefixCache(CacheConfig(**cfg), policy)
+
+
+def start_thread(fn, *args) -> tuple[threading.Thread, list[BaseException]]:
+    """Runs ``fn(*args)`` on a new thread; what it raises lands in the returned list."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn(*args)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, errors

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from cachekit import small_cache
+from cachekit import small_cache, start_thread
 from omni_pcache import NewRequest, StepBatch, StepEvents, WriteFailedError
 
 
@@ -62,16 +62,7 @@ def test_a_save_waiting_for_a_page_wakes_when_a_write_fails() -> None:
     cache._writer.write_batch = slow_then_fail
     cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
     save_one(cache)
-    errors = []
-
-    def second_save():
-        try:
-            save_one(cache, first_slot=2)
-        except BaseException as exc:
-            errors.append(exc)
-
-    waiter = threading.Thread(target=second_save)
-    waiter.start()
+    waiter, errors = start_thread(save_one, cache, 2)
     gate.set()
     waiter.join(10)
     assert not waiter.is_alive(), "the waiting save hung"
@@ -95,16 +86,7 @@ def test_a_materialize_waiting_on_a_write_wakes_when_it_fails() -> None:
     cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1]), NewRequest("b", [0, 2], 4)]))
     sid = cache.save(torch.ones(6, 2), {}, StepBatch(["a", "b"], [5, 1], np.array([0, 1, 2, 3, 4, 8])))
     assert entered.wait(10)
-    errors: list[BaseException] = []
-
-    def consume():
-        try:
-            cache.materialize(sid, ["b"])
-        except BaseException as exc:
-            errors.append(exc)
-
-    t = threading.Thread(target=consume)
-    t.start()
+    t, errors = start_thread(cache.materialize, sid, ["b"])
     gate.set()
     t.join(10)
     assert not t.is_alive(), "materialize hung on a failed write"
