@@ -22,9 +22,24 @@ from omni_pcache import CacheConfig, NewRequest, PrefixCache, StepBatch, StepEve
 BLOCK = 16
 
 
-def engine_thread_step_us(num_reqs: int, tokens: int, width: int, dtype: torch.dtype, steps: int) -> float:
+_FORWARD = torch.randn(128, 128)
+
+
+def busy_forward(ms: float) -> None:
+    """Stands in for the forward pass: torch work that keeps the core busy and releases the
+    GIL (as a real forward does), so the committer can run meanwhile."""
+    end = time.perf_counter() + ms / 1000
+    while time.perf_counter() < end:
+        torch.mm(_FORWARD, _FORWARD)
+
+
+def engine_thread_step_us(
+    num_reqs: int, tokens: int, width: int, dtype: torch.dtype, steps: int, forward_ms: float = 0.0
+) -> float:
     """Median µs of begin_step + save per step (materialize runs on the same thread but is not
-    timed); every other step's new requests hit the previous step's blocks."""
+    timed); every other step's new requests hit the previous step's blocks. ``forward_ms`` of
+    torch work per step stands in for the forward pass, during which a real engine thread
+    leaves the GIL to the committer."""
     blocks_per_req = tokens // BLOCK
     num_blocks = 4096
     config = CacheConfig(num_blocks=num_blocks, block_size=BLOCK, staging_depth=4, staging_capacity_tokens=8192)
@@ -55,6 +70,8 @@ def engine_thread_step_us(num_reqs: int, tokens: int, width: int, dtype: torch.d
             n = sum(counts)
             events = StepEvents(new=new, finished=[r for r, _ in prev])
             batch = StepBatch([r for r, _, _ in reqs], counts, slots)
+            if forward_ms:
+                busy_forward(forward_ms)
             t0 = time.perf_counter()
             cache.begin_step(events)
             sid = cache.save(hidden[:n], {}, batch)
@@ -79,6 +96,9 @@ def memcpy_us(tokens: int, width: int, dtype: torch.dtype, repeat: int = 30) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument(
+        "--forward-ms", type=float, default=0.0, help="torch work per step standing in for the forward (GIL released)"
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "save_overhead.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -87,10 +107,10 @@ def main() -> None:
         ("bookkeeping (width 64 fp32)", 64, torch.float32),
         ("bf16 width 2048", 2048, torch.bfloat16),
     ):
-        us = engine_thread_step_us(8, 64, width, dtype, args.steps)
+        us = engine_thread_step_us(8, 64, width, dtype, args.steps, args.forward_ms)
         rows.append({"case": f"8 req x 64 tok, {label}", "engine_thread_us": us})
     big_steps = max(20, args.steps // 10)
-    big = engine_thread_step_us(1, 8192, 2048, torch.bfloat16, big_steps)
+    big = engine_thread_step_us(1, 8192, 2048, torch.bfloat16, big_steps, args.forward_ms)
     copy = memcpy_us(8192, 2048, torch.bfloat16)
     rows.append({"case": "1 req x 8192 tok, bf16 width 2048", "engine_thread_us": big, "memcpy_us": copy})
     for row in rows:
@@ -102,7 +122,7 @@ def main() -> None:
         print(f"{row['case']:<45} begin_step+save {row['engine_thread_us']:>9.1f} us{extra}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     machine = f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} torch thread(s)"
-    args.out.write_text(json.dumps({"machine": machine, "results": rows}, indent=2))
+    args.out.write_text(json.dumps({"machine": machine, "forward_ms": args.forward_ms, "results": rows}, indent=2))
 
 
 if __name__ == "__main__":
