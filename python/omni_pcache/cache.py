@@ -182,11 +182,14 @@ class PrefixCache:
                 flushed += 1
         if flushed:
             self._committer.notify(flushed)
+        hits = misses = 0
         for req in scheduled:
-            fresh = not self._delivery.is_live(req.req_id)
+            if not self._delivery.is_live(req.req_id):
+                hits += req.num_computed > 0
+                misses += req.num_computed == 0
             self._delivery.schedule(req.req_id, req.blocks, req.num_computed)
-            if fresh:
-                self._counters.add(**({"hits": 1} if req.num_computed else {"misses": 1}))
+        if hits or misses:
+            self._counters.add(hits=hits, misses=misses)
 
     def save(self, hidden: torch.Tensor | None, mm: dict[str, Any] | None, batch: StepBatch) -> int:
         """Saves one step's outputs and returns its step id (engine thread, after the forward).
@@ -242,8 +245,7 @@ class PrefixCache:
             self._step_records[step_id] = StepRecord(
                 step_id, page, handle, shape.n, shape.n_padded, rows, list(cached), hits, kept_leftover, clones
             )
-        for record in records:
-            self._tasks.enqueue(record.task_id)
+        self._tasks.enqueue_many([record.task_id for record in records])
         self._committer.notify(len(records))
         return step_id
 
@@ -338,26 +340,30 @@ class PrefixCache:
         from_deferred: list = []
         if not immediate and not deferred:
             return records, from_pool, from_deferred
+        # (the slot mapping holds exactly the scheduled rows' slots; zero-count requests add none)
+        scheduled = [(req_id, start, count) for req_id, (start, count) in shape.rows.items() if count]
+        counts = [count for _, _, count in scheduled]
+        slot_tensor = torch.from_numpy(shape.slot_mapping)  # the scheduled rows' slots, in batch order
         with self._cond:
-            for req_id, (start, count) in shape.rows.items():
-                if count == 0:
-                    continue
-                slots = shape.slot_mapping[start : start + count]
-                slot_tensor = torch.from_numpy(slots)
-                if immediate:
-                    task_id = self._tasks.create()
+            if immediate:
+                task_ids = self._tasks.create_many(len(scheduled))
+                specs = tuple(immediate)
+                for task_id, (req_id, start, count) in zip(task_ids, scheduled, strict=True):
                     record = WriteRecord(
-                        task_id, step_id, req_id, page, start, count, tuple(immediate), handle, slot_tensor, self._pages
-                    )
+                        task_id, step_id, req_id, page, start, count, specs, handle,
+                        slot_tensor[start : start + count], self._pages,
+                    )  # fmt: skip
                     self._records[task_id] = record
                     self._req_tasks.setdefault(req_id, set()).add(task_id)
-                    for spec in immediate:
-                        out = self._ledger.claim(slots, spec.key_id, task_id)
-                        if out.preserve_slots.size:
-                            self._register_obligations(spec, out, step_id, from_pool, from_deferred)
-                    self._staging.hold(page, ("task", task_id))
                     records.append(record)
-                if deferred:
+                for spec in immediate:
+                    out = self._ledger.claim_many(shape.slot_mapping, counts, spec.key_id, task_ids)
+                    if out.preserve_slots.size:
+                        self._register_obligations(spec, out, step_id, from_pool, from_deferred)
+                self._staging.hold_many(page, "task", task_ids)
+            if deferred:
+                owners = []
+                for req_id, start, count in scheduled:
                     record = self._open.get(req_id)
                     if record is None:
                         task_id = self._tasks.create()
@@ -366,12 +372,14 @@ class PrefixCache:
                         )
                         self._records[task_id] = record
                         self._open[req_id] = record
-                    record.append(clones, start, count, slot_tensor)
+                    record.append(clones, start, count, slot_tensor[start : start + count])
+                    owners.append(record.task_id)
                     for spec in deferred:
                         clones[spec.name].owners.append(record)
-                        out = self._ledger.claim(slots, spec.key_id, record.task_id)
-                        if out.preserve_slots.size:
-                            self._register_obligations(spec, out, step_id, from_pool, from_deferred)
+                for spec in deferred:
+                    out = self._ledger.claim_many(shape.slot_mapping, counts, spec.key_id, owners)
+                    if out.preserve_slots.size:
+                        self._register_obligations(spec, out, step_id, from_pool, from_deferred)
         return records, from_pool, from_deferred
 
     def _register_obligations(self, spec: KeySpec, out, step_id: int, from_pool: list, from_deferred: list) -> None:
@@ -553,9 +561,8 @@ class PrefixCache:
         return record if record is not None and record.deferred and not record.closed else None
 
     def _reap_completions(self) -> None:
-        for task_id in self._tasks.drain_completions().tolist():
+        for task_id in self._tasks.reap_completions().tolist():
             record = self._records.pop(task_id, None)
-            self._tasks.remove(task_id)
             if record is not None:
                 tasks = self._req_tasks.get(record.req_id)
                 if tasks is not None:

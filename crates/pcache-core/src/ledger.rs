@@ -379,6 +379,51 @@ impl Ledger {
         self.check_key(key)?;
         let runs = split_runs(slots, self.num_slots)?;
         check_unique(&mut self.seen, &runs, slots)?;
+        let mut out = ClaimOutcome::default();
+        self.claim_runs(runs, key, task, &mut out);
+        Ok(out)
+    }
+
+    /// Claims several tasks' slots in one call: the first `counts[0]` slots for `tasks[0]`,
+    /// the next `counts[1]` for `tasks[1]`, and so on (one step's requests, in batch order).
+    /// Validated as a whole first — lengths, ranges, and no slot twice in the whole batch —
+    /// and refused as a whole. Reports what every claim found, in slot order.
+    pub fn claim_many<S: RawSlot>(
+        &mut self,
+        slots: &[S],
+        counts: &[usize],
+        key: KeyId,
+        tasks: &[TaskId],
+    ) -> Result<ClaimOutcome> {
+        self.check_key(key)?;
+        if counts.len() != tasks.len() || counts.iter().sum::<usize>() != slots.len() {
+            return Err(Error::InvalidInput {
+                what: format!(
+                    "{} counts for {} tasks, summing to {} for {} slots",
+                    counts.len(),
+                    tasks.len(),
+                    counts.iter().sum::<usize>(),
+                    slots.len()
+                ),
+            });
+        }
+        let all = split_runs(slots, self.num_slots)?;
+        check_unique(&mut self.seen, &all, slots)?;
+        let mut out = ClaimOutcome::default();
+        let mut start = 0;
+        for (&count, &task) in counts.iter().zip(tasks) {
+            let segment = &slots[start..start + count];
+            start += count;
+            if !segment.is_empty() {
+                let runs = split_runs(segment, self.num_slots)?;
+                self.claim_runs(runs, key, task, &mut out);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The claim itself, on validated runs.
+    fn claim_runs(&mut self, runs: Vec<Run>, key: KeyId, task: TaskId, out: &mut ClaimOutcome) {
         let handles = &mut self.handles;
         let claims = self.tasks.entry(task).or_insert_with(|| TaskClaims {
             owner: handles.take(task),
@@ -386,16 +431,14 @@ impl Ledger {
         });
         let (me, handles) = (claims.owner, &self.handles);
         let cols = &mut self.keys[key.0 as usize];
-        let mut out = ClaimOutcome::default();
         for &run in &runs {
             if run.len < SHORT_RUN {
-                (run.range()).for_each(|slot| cols.claim_slot(slot, me, handles, &mut out));
+                (run.range()).for_each(|slot| cols.claim_slot(slot, me, handles, out));
             } else {
-                cols.claim_run(run, me, handles, &mut out);
+                cols.claim_run(run, me, handles, out);
             }
         }
         claims.append(key, runs);
-        Ok(out)
     }
 
     fn task_rows(&self, task: TaskId) -> Result<&TaskClaims> {
@@ -719,6 +762,45 @@ mod tests {
         assert_eq!(out.preserve_versions, vec![1]);
         assert_eq!(out.preserve_from, vec![1], "task#1 holds the captured row");
         l.release(plan.read).unwrap();
+    }
+
+    #[test]
+    fn claim_many_equals_one_claim_per_task_and_is_refused_as_a_whole() {
+        let (mut many, k) = ledger_with_key();
+        let (mut one, _) = ledger_with_key();
+        one.claim(&[5i64], k, TaskId(9)).unwrap();
+        many.claim(&[5i64], k, TaskId(9)).unwrap();
+        let plan = one.plan_read(&[5i64], k).unwrap();
+        many.plan_read(&[5i64], k).unwrap();
+        let slots = [0i64, 1, 2, 3, 5, 6];
+        let out = many
+            .claim_many(&slots, &[4, 0, 2], k, &[T1, TaskId(7), T2])
+            .unwrap();
+        let mut want = one.claim(&slots[..4], k, T1).unwrap();
+        let tail = one.claim(&slots[4..], k, T2).unwrap();
+        want.stolen_slots.extend(tail.stolen_slots);
+        want.stolen_from.extend(tail.stolen_from);
+        want.preserve_slots.extend(tail.preserve_slots);
+        want.preserve_versions.extend(tail.preserve_versions);
+        want.preserve_from.extend(tail.preserve_from);
+        assert_eq!(out, want);
+        assert_eq!(out.stolen_slots, vec![5]);
+        assert_eq!(many.owned(T2, k).unwrap(), one.owned(T2, k).unwrap());
+        assert_eq!(many.validate(plan.read).unwrap(), vec![0]);
+        let before = many.peek(&slots, k).unwrap();
+        let err = many
+            .claim_many(&[10i64, 11, 10], &[2, 1], k, &[TaskId(3), TaskId(4)])
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::DuplicateSlot { slot: 10, .. }),
+            "{err}"
+        );
+        assert!(matches!(
+            many.claim_many(&[10i64], &[2], k, &[TaskId(3)]),
+            Err(Error::InvalidInput { .. })
+        ));
+        assert_eq!(many.peek(&slots, k).unwrap(), before);
+        assert!(many.owned(TaskId(3), k).is_err(), "nothing was claimed");
     }
 
     #[test]

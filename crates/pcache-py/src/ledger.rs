@@ -39,6 +39,28 @@ pub struct ReadPlan {
     versions: Py<PyArray1<u64>>,
 }
 
+/// Hands a claim's outcome to Python (one shared empty array in the common case).
+fn outcome(py: Python<'_>, out: pcache_core::ClaimOutcome) -> ClaimOutcome {
+    if out.stolen_slots.is_empty() && out.preserve_slots.is_empty() {
+        // The common case: nothing to report; share one empty array per dtype.
+        let empty = int_array(py, Vec::new());
+        return ClaimOutcome {
+            stolen_slots: empty.clone_ref(py),
+            stolen_from: empty.clone_ref(py),
+            preserve_slots: empty,
+            preserve_versions: uint_array(py, Vec::new()),
+            preserve_from: int_array(py, Vec::new()),
+        };
+    }
+    ClaimOutcome {
+        stolen_slots: int_array(py, out.stolen_slots),
+        stolen_from: int_array(py, out.stolen_from),
+        preserve_slots: int_array(py, out.preserve_slots),
+        preserve_versions: uint_array(py, out.preserve_versions),
+        preserve_from: int_array(py, out.preserve_from),
+    }
+}
+
 /// The slot/version ledger. Any thread; every call takes one short mutex with the GIL released.
 #[pyclass(frozen, module = "omni_pcache._native")]
 pub struct Ledger {
@@ -79,24 +101,33 @@ impl Ledger {
                 ))
             })
             .py_err()?;
-        if out.stolen_slots.is_empty() && out.preserve_slots.is_empty() {
-            // The common case: nothing to report; share one empty array per dtype.
-            let empty = int_array(py, Vec::new());
-            return Ok(ClaimOutcome {
-                stolen_slots: empty.clone_ref(py),
-                stolen_from: empty.clone_ref(py),
-                preserve_slots: empty,
-                preserve_versions: uint_array(py, Vec::new()),
-                preserve_from: int_array(py, Vec::new()),
-            });
-        }
-        Ok(ClaimOutcome {
-            stolen_slots: int_array(py, out.stolen_slots),
-            stolen_from: int_array(py, out.stolen_from),
-            preserve_slots: int_array(py, out.preserve_slots),
-            preserve_versions: uint_array(py, out.preserve_versions),
-            preserve_from: int_array(py, out.preserve_from),
-        })
+        Ok(outcome(py, out))
+    }
+
+    /// Claims one step's slots for several tasks at once: the first `counts[0]` slots for
+    /// `task_ids[0]`, the next `counts[1]` for `task_ids[1]`, ... Refused as a whole.
+    fn claim_many(
+        &self,
+        py: Python<'_>,
+        slots: &Bound<'_, PyAny>,
+        counts: Vec<usize>,
+        key_id: u32,
+        task_ids: Vec<u64>,
+    ) -> PyResult<ClaimOutcome> {
+        let idx = Indices::extract(slots, "slots")?;
+        let view = idx.slice();
+        let tasks: Vec<TaskId> = task_ids.into_iter().map(TaskId).collect();
+        let out = py
+            .detach(|| {
+                with_slice!(view, |s| self.inner.lock().claim_many(
+                    s,
+                    &counts,
+                    KeyId(key_id),
+                    &tasks
+                ))
+            })
+            .py_err()?;
+        Ok(outcome(py, out))
     }
 
     /// `(positions, slots)` the task still owns on `key_id`: gather rows at `positions`,

@@ -107,6 +107,16 @@ impl StagingSlots {
         self.inner.hold(slot, parse_holder(holder)?).py_err()
     }
 
+    /// Adds several holders of one kind (`"step"` or `"task"`) to a slot.
+    fn hold_many(&self, slot: usize, kind: String, ids: Vec<u64>) -> PyResult<()> {
+        for id in ids {
+            self.inner
+                .hold(slot, parse_holder((kind.clone(), id))?)
+                .py_err()?;
+        }
+        Ok(())
+    }
+
     /// Removes a holder; returns whether the slot became free.
     fn release(&self, slot: usize, holder: (String, u64)) -> PyResult<bool> {
         self.inner.release(slot, parse_holder(holder)?).py_err()

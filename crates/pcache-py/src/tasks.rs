@@ -35,6 +35,31 @@ impl WriteTasks {
         self.table.create().id().0
     }
 
+    /// Issues `n` new tasks in PENDING; returns their ids (increasing).
+    fn create_many(&self, n: usize) -> Vec<u64> {
+        (0..n).map(|_| self.table.create().id().0).collect()
+    }
+
+    /// `enqueue` for several tasks, in order; stops at the first refusal (the ones before it
+    /// stay queued).
+    #[pyo3(signature = (task_ids, high=true))]
+    fn enqueue_many(&self, task_ids: Vec<u64>, high: bool) -> PyResult<()> {
+        task_ids.into_iter().try_for_each(|t| self.enqueue(t, high))
+    }
+
+    /// Drains the completion queue and drops those (WRITTEN or FAILED) tasks from the table;
+    /// returns their ids, oldest first, as an int64 array.
+    fn reap_completions(&self, py: Python<'_>) -> PyResult<Py<PyArray1<i64>>> {
+        let done = self.queues.drain_completions();
+        for task in &done {
+            self.table.remove(*task).py_err()?;
+        }
+        Ok(int_array(
+            py,
+            done.into_iter().map(|t| t.0 as i64).collect(),
+        ))
+    }
+
     /// The task's state name (`"PENDING"`, ..., `"FAILED"`).
     fn state(&self, task_id: u64) -> PyResult<&'static str> {
         Ok(state_name(
