@@ -66,9 +66,9 @@ class PreservedRows:
         """Whether an obligation exists (caller holds the ledger lock)."""
         return (key, slot, version) in self._rows
 
-    def take(self, key: str, slots: list[int], versions: list[int], deadline: float, failed) -> torch.Tensor:
-        """The preserved rows, waiting until every one is filled (caller holds the lock, as the
-        condition's owner). ``failed()`` returning an exception aborts the wait with it; a
+    def take(self, key: str, slots: list[int], versions: list[int], deadline: float, failed) -> list[torch.Tensor]:
+        """The preserved rows (one tensor each; stack them after releasing the lock), waiting
+        until every one is filled (caller holds the lock, as the condition's owner). ``failed()`` returning an exception aborts the wait with it; a
         timeout raises `TimeoutError` naming the missing entries."""
         entries = [(key, s, v) for s, v in zip(slots, versions, strict=True)]
         while True:
@@ -77,7 +77,7 @@ class PreservedRows:
                 raise exc
             missing = [e for e in entries if self._rows.get(e) is None]
             if not missing:
-                return torch.stack([self._rows[e] for e in entries])
+                return [self._rows[e] for e in entries]
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(f"preserved rows not filled in time: {missing[:8]}")

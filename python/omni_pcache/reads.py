@@ -123,6 +123,7 @@ class HitReader:
                 if at.size:
                     positions = record.position_of(read.slots[at].tolist())
                     rows[torch.from_numpy(at)] = record.rows(read.spec, positions)
+            kept = None
             with self._cond:
                 moved = self._ledger.validate(read.read_id)
                 if moved.size:
@@ -144,10 +145,11 @@ class HitReader:
                         kept = self._preserved.take(read.spec.name, slots, versions, deadline, self._failure)
                     except TimeoutError as exc:
                         raise UnservableHitError(f"request {hit.req_id!r} (step {step_id}): {exc}") from None
-                    rows[torch.from_numpy(moved)] = kept
-                    preserved += int(moved.size)
                 else:
                     moved = np.empty(0, dtype=np.int64)
+            if kept is not None:  # copied outside the lock
+                rows[torch.from_numpy(moved)] = torch.stack(kept)
+                preserved += int(moved.size)
             kept_sources = np.delete(read.sources, moved)
             in_flight_rows += int(np.count_nonzero(kept_sources >= 0))
             from_pool += int(np.count_nonzero(kept_sources == SOURCE_POOL))
