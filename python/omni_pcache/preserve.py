@@ -66,9 +66,7 @@ class PreservedRows:
         """Whether an obligation exists (caller holds the ledger lock)."""
         return (key, slot, version) in self._rows
 
-    def take(
-        self, key: str, slots: list[int], versions: list[int], deadline: float, failed
-    ) -> list[torch.Tensor]:
+    def take(self, key: str, slots: list[int], versions: list[int], deadline: float, failed) -> list[torch.Tensor]:
         """The preserved rows (one tensor each; stack them after releasing the lock), waiting
         until every one is filled (caller holds the lock, as the condition's owner).
         ``failed()`` returning an exception aborts the wait with it; a timeout raises
