@@ -41,11 +41,18 @@ soak SEEDS="120": setup develop
 loom:
     RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=3 cargo test -p pcache-core --release --test loom_models -- --nocapture
 
-# Criterion benchmarks of the core (claim/commit, plan_read, transitions, queues, hashing).
-bench:
+# Every benchmark in one run: the core's criterion benches, then the Python benches, the step
+# workload side by side with vLLM-Omni 0.30.0's prefix cache (.venv-bench, built once by
+# scripts/setup-bench.sh). Each writes benches/results/<name>.json; nothing asserts a time.
+bench: setup develop
+    bash scripts/setup-bench.sh
     cargo bench -p pcache-core --bench core
+    python benches/save_overhead.py
+    .venv-bench/bin/python benches/step_overhead.py
+    python benches/hashing.py
+    python benches/engine.py
 
-# Python benchmarks of the cache's engine-thread cost (writes benches/results/*.json).
+# Only the Python benchmark of the cache's engine-thread cost (benches/results/save_overhead.json).
 bench-py: setup develop
     python benches/save_overhead.py
 

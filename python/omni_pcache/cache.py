@@ -524,11 +524,13 @@ class PrefixCache:
             mm.update({name: {} for name in record.leftover})
             for req_id in req_ids:
                 start, count, drop = record.rows[req_id]
+                # Views of this step's rows (staging page or deferred clone); every returned
+                # tensor is a fresh copy, made once: by the concatenation after a hit, else here.
                 rows = {
                     name: (
-                        record.clones[name].rows(start + drop, start + count).cpu().clone()
+                        record.clones[name].rows(start + drop, start + count).cpu()
                         if name in record.clones
-                        else self._pages.page(name, record.page)[start + drop : start + count].clone()
+                        else self._pages.page(name, record.page)[start + drop : start + count]
                     )
                     for name in record.keys
                 }
@@ -541,6 +543,8 @@ class PrefixCache:
                         rows_preserved=served.preserved,
                     )
                     rows = {name: torch.cat([served.rows[name], rows[name]]) for name in rows}
+                else:
+                    rows = {name: value.clone() for name, value in rows.items()}
                 for name, value in rows.items():
                     (hidden if name == HIDDEN else mm[name])[req_id] = value  # type: ignore[index]
                 for name, value in record.leftover.items():

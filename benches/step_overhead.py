@@ -1,0 +1,419 @@
+"""One synthetic step workload through omni_pcache and through vLLM-Omni's own prefix cache.
+
+Block 16, 4,096 KV blocks, 8 requests per step, half of them hitting one of four 512-token
+shared prefixes (written in a warm-up step), a bf16 hidden of width 2,048 plus one fp32
+per-token mm key of width 128; steps of 512, 2,048 and 8,192 scheduled tokens. Each request
+is new in its step and finishes at the next one; every step is materialized for all 8
+requests on the engine thread. Fresh blocks come from a ring over the non-prefix blocks, so
+blocks are reused by new tenants as in a real engine.
+
+Per side and step size it reports medians of: the engine-thread time (begin_step + save for
+omni_pcache; new_step_starts + save_outputs for vLLM-Omni), materialize time and its GB/s
+(bytes of the full-sequence rows returned), beside a plain torch ``copy_`` of the same bytes
+on this machine (the physical reference), and the ratios ours/theirs. Both sides' outputs are
+checked against the expected full-sequence rows on a few steps (a wrong answer fails the run).
+
+vLLM-Omni 0.30.0 is built as its own unit tests build it: ``OmniPrefixCacheManager(config,
+view, eager=True)`` with a duck-typed group view, imported without vLLM (its package
+``__init__`` imports vLLM, so the parent packages are registered as bare namespaces first,
+as its tests do). On CPU eager mode is its only mode (the threaded committer needs CUDA
+streams): the pool write runs inline in save_outputs, on the engine thread. omni_pcache's
+committer thread does its pool writes off the engine thread. Both sides get the slot mapping
+precomputed (not timed).
+
+Run: ``bash scripts/setup-bench.sh && .venv-bench/bin/python benches/step_overhead.py``.
+Under a Python without vllm-omni (``.venv/bin/python``) only the omni_pcache side runs and
+the JSON says why the comparison is missing. ``--quick`` runs tiny sizes (smoke test).
+Writes benches/results/step_overhead.json. Nothing is asserted about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import statistics
+import sys
+import time
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from omni_pcache import CacheConfig, NewRequest, PrefixCache, StepBatch, StepEvents
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import RESULTS, command, machine, write
+
+BLOCK = 16
+NUM_REQS = 8
+HIDDEN_DTYPE = torch.bfloat16
+MM_KEY = "mm.feat"
+MM_WIDTH = 128
+MM_DTYPE = torch.float32
+NUM_PREFIXES = 4
+VLLM_OMNI_VERSION = "0.30.0"
+
+
+@dataclass
+class Req:
+    req_id: str
+    blocks: list[int]
+    hit: int  # tokens served from the cache (num_computed_tokens at arrival)
+    count: int  # tokens scheduled this step
+    prefix: int | None = None  # which shared prefix it hits
+
+
+@dataclass
+class Step:
+    reqs: list[Req]
+    finished: list[str]
+    row_offset: int  # where this step's rows start in the source tensor
+    slots: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+
+    @property
+    def n(self) -> int:
+        return sum(r.count for r in self.reqs)
+
+
+def req_slots(r: Req) -> np.ndarray:
+    pos = np.arange(r.hit, r.hit + r.count)
+    return np.asarray(r.blocks, dtype=np.int64)[pos // BLOCK] * BLOCK + pos % BLOCK
+
+
+def make_steps(
+    step_tokens: int, num_steps: int, num_blocks: int, prefix_tokens: int, max_tokens: int
+) -> tuple[Step, list[Step]]:
+    """The warm-up step (writes the shared prefixes) and ``num_steps`` measured steps."""
+    prefix_blocks = prefix_tokens // BLOCK
+    warm_reqs = [
+        Req(f"prefix{p}", list(range(p * prefix_blocks, (p + 1) * prefix_blocks)), 0, prefix_tokens)
+        for p in range(NUM_PREFIXES)
+    ]
+    warm = Step(warm_reqs, [], 0)
+    per_req = step_tokens // NUM_REQS
+    fresh_per_req = -(-per_req // BLOCK)
+    ring_start = NUM_PREFIXES * prefix_blocks
+    ring = num_blocks - ring_start
+    if ring < 2 * NUM_REQS * fresh_per_req:
+        raise SystemExit(f"{num_blocks} blocks are too few for {step_tokens}-token steps")
+    cursor = 0
+    steps: list[Step] = []
+    prev: list[str] = [r.req_id for r in warm_reqs]
+    for s in range(num_steps):
+        reqs = []
+        for i in range(NUM_REQS):
+            fresh = [ring_start + (cursor + k) % ring for k in range(fresh_per_req)]
+            cursor = (cursor + fresh_per_req) % ring
+            if i % 2 == 0:  # half the requests hit a shared prefix
+                p = (s + i // 2) % NUM_PREFIXES
+                blocks = list(warm_reqs[p].blocks) + fresh
+                reqs.append(Req(f"s{s}r{i}", blocks, prefix_tokens, per_req, p))
+            else:
+                reqs.append(Req(f"s{s}r{i}", fresh, 0, per_req))
+        offset = (1 + s * 7919) % max(1, max_tokens)
+        steps.append(Step(reqs, prev, offset))
+        prev = [r.req_id for r in reqs]
+    for st in (warm, *steps):
+        st.slots = np.concatenate([req_slots(r) for r in st.reqs])
+    return warm, steps
+
+
+class Rows:
+    """Source rows: step ``s`` uses ``hidden[off : off + n]`` (distinct per step)."""
+
+    def __init__(self, max_tokens: int, width: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        total = 2 * max_tokens + 1
+        self.hidden = torch.randn(total, width, generator=g).to(HIDDEN_DTYPE)
+        self.mm = torch.randn(total, MM_WIDTH, generator=g).to(MM_DTYPE)
+
+    def step(self, st: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        n = st.n
+        return self.hidden[st.row_offset : st.row_offset + n], self.mm[st.row_offset : st.row_offset + n]
+
+
+def expected(st: Step, warm: Step, rows: Rows) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Full-sequence rows each request must get: its prefix's warm-up rows, then its own."""
+    wh, wm = rows.step(warm)
+    h, m = rows.step(st)
+    out = {}
+    row = 0
+    for r in st.reqs:
+        own_h, own_m = h[row : row + r.count], m[row : row + r.count]
+        if r.prefix is not None:
+            start = r.prefix * r.hit
+            own_h = torch.cat([wh[start : start + r.hit], own_h])
+            own_m = torch.cat([wm[start : start + r.hit], own_m])
+        out[r.req_id] = (own_h, own_m)
+        row += r.count
+    return out
+
+
+def check(label: str, st: Step, want: dict, got_h: dict, got_m: dict) -> None:
+    for req_id, (h, m) in want.items():
+        if not (torch.equal(got_h[req_id], h) and torch.equal(got_m[req_id], m)):
+            raise SystemExit(f"step_overhead: {label} returned wrong rows for {req_id}")
+
+
+# ---- the two sides ------------------------------------------------------------------------
+
+
+class Ours:
+    name = "omni_pcache"
+
+    def __init__(self, num_blocks: int, capacity: int) -> None:
+        self.cache = PrefixCache(
+            CacheConfig(num_blocks=num_blocks, block_size=BLOCK, staging_depth=4, staging_capacity_tokens=capacity)
+        )
+
+    def step(self, st: Step, hidden: torch.Tensor, mm: torch.Tensor) -> Any:
+        self.cache.begin_step(
+            StepEvents(new=[NewRequest(r.req_id, r.blocks, r.hit) for r in st.reqs], finished=st.finished)
+        )
+        return self.cache.save(
+            hidden, {MM_KEY: mm}, StepBatch([r.req_id for r in st.reqs], [r.count for r in st.reqs], st.slots)
+        )
+
+    def materialize(self, sid: Any, st: Step) -> tuple[dict, dict]:
+        out = self.cache.materialize(sid, [r.req_id for r in st.reqs])
+        return out.hidden, out.mm[MM_KEY]
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+def import_vllm_omni_prefix_cache() -> tuple[types.ModuleType | None, str]:
+    """vllm_omni.core.prefix_cache without vLLM, as vLLM-Omni's own unit tests load it."""
+    spec = importlib.util.find_spec("vllm_omni")
+    if spec is None or not spec.submodule_search_locations:
+        return None, f"vllm-omni is not installed in {sys.prefix} (run scripts/setup-bench.sh, use .venv-bench)"
+    root = Path(next(iter(spec.submodule_search_locations)))
+    if importlib.util.find_spec("vllm") is None:
+        # vllm_omni/__init__ imports vLLM; register the parents as bare namespaces instead.
+        for name in ("vllm_omni", "vllm_omni.core"):
+            if name not in sys.modules:
+                mod = types.ModuleType(name)
+                mod.__path__ = [str(root / name.replace("vllm_omni", "", 1).replace(".", "/").lstrip("/"))]
+                sys.modules[name] = mod
+    try:
+        import vllm_omni.core.prefix_cache as pc
+    except Exception as exc:
+        return None, f"vllm_omni.core.prefix_cache failed to import: {type(exc).__name__}: {exc}"
+    try:
+        from importlib.metadata import version
+
+        got = version("vllm-omni")
+    except Exception:
+        got = "unknown"
+    if got != VLLM_OMNI_VERSION:
+        return pc, f"vllm-omni {got} installed (the comparison is defined for {VLLM_OMNI_VERSION})"
+    return pc, ""
+
+
+class _View:
+    """Duck-typed FullAttentionGroupView: the batch order and the (precomputed) CPU slots."""
+
+    def __init__(self) -> None:
+        self.order: list[str] = []
+        self.slots = torch.empty(0, dtype=torch.long)
+
+    def batch_req_ids(self) -> list[str]:
+        return list(self.order)
+
+    def step_slots_cpu(self, req_ids: list[str], num_scheduled: dict[str, int]) -> torch.Tensor:
+        return self.slots
+
+
+class Theirs:
+    name = "vllm_omni"
+
+    def __init__(self, pc: types.ModuleType, num_blocks: int, capacity: int) -> None:
+        self.view = _View()
+        config = pc.PrefixCacheConfig(
+            num_blocks=num_blocks, block_size=BLOCK, staging_depth=4, staging_capacity_tokens=capacity
+        )
+        self.mgr = pc.OmniPrefixCacheManager(config, self.view, eager=True)
+
+    def step(self, st: Step, hidden: torch.Tensor, mm: torch.Tensor) -> Any:
+        self.view.order = [r.req_id for r in st.reqs]
+        self.view.slots = torch.from_numpy(st.slots)
+        sched = types.SimpleNamespace(
+            scheduled_new_reqs=[
+                types.SimpleNamespace(req_id=r.req_id, num_computed_tokens=r.hit, block_ids=[r.blocks]) for r in st.reqs
+            ],
+            finished_req_ids=set(st.finished),
+            num_scheduled_tokens={r.req_id: r.count for r in st.reqs},
+        )
+        self.mgr.new_step_starts(sched)
+        n = st.n
+        return self.mgr.save_outputs(hidden, {MM_KEY: mm}, num_tokens_unpadded=n, num_tokens_padded=n)
+
+    def materialize(self, sid: Any, st: Step) -> tuple[dict, dict]:
+        out = self.mgr.materialize(sid, [r.req_id for r in st.reqs])
+        return out.hidden_states, out.mm_outputs[MM_KEY]
+
+    def close(self) -> None:
+        self.mgr.shutdown()
+
+
+# ---- measuring ----------------------------------------------------------------------------
+
+
+def run_side(side: Any, warm: Step, steps: list[Step], rows: Rows, checks: int) -> dict[str, float]:
+    h, m = rows.step(warm)
+    sid = side.step(warm, h, m)
+    side.materialize(sid, warm)
+    engine_s, mat_s, mat_bytes = [], [], []
+    check_at = set(np.linspace(0, len(steps) - 1, num=min(checks, len(steps)), dtype=int).tolist())
+    gc.collect()
+    gc.disable()
+    try:
+        for i, st in enumerate(steps):
+            h, m = rows.step(st)
+            t0 = time.perf_counter()
+            sid = side.step(st, h, m)
+            t1 = time.perf_counter()
+            got_h, got_m = side.materialize(sid, st)
+            t2 = time.perf_counter()
+            engine_s.append(t1 - t0)
+            mat_s.append(t2 - t1)
+            mat_bytes.append(sum(t.numel() * t.element_size() for d in (got_h, got_m) for t in d.values()))
+            if i in check_at:
+                check(side.name, st, expected(st, warm, rows), got_h, got_m)
+    finally:
+        gc.enable()
+    skip = len(steps) // 5  # warm-up: pinned/pool allocations, first-touch pages
+    eng = statistics.median(engine_s[skip:])
+    mat = statistics.median(mat_s[skip:])
+    nbytes = statistics.median(mat_bytes[skip:])
+    return {
+        "engine_thread_us": eng * 1e6,
+        "materialize_us": mat * 1e6,
+        "materialize_bytes": int(nbytes),
+        "materialize_gbps": nbytes / mat / 1e9,
+        "steps_measured": len(steps) - skip,
+    }
+
+
+def copy_reference(nbytes: int, repeat: int) -> float:
+    """Median seconds of one plain torch copy_ of ``nbytes`` (contiguous, CPU)."""
+    src = torch.randn(max(1, nbytes // 4))
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test): width 64, short steps")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per size (default 40; quick 6)")
+    parser.add_argument("--no-theirs", action="store_true", help="skip the vLLM-Omni side")
+    parser.add_argument("--out", type=Path, default=RESULTS / "step_overhead.json")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+
+    if args.quick:
+        sizes, width, num_blocks, prefix_tokens, default_steps = (64, 256), 64, 256, 32, 6
+    else:
+        sizes, width, num_blocks, prefix_tokens, default_steps = (512, 2048, 8192), 2048, 4096, 512, 40
+    num_steps = args.steps or default_steps
+    pc, why_missing = (None, "skipped (--no-theirs)") if args.no_theirs else import_vllm_omni_prefix_cache()
+    if pc is not None and why_missing:
+        print(f"step_overhead: note: {why_missing}")
+    elif pc is None:
+        print(f"step_overhead: vLLM-Omni side missing: {why_missing}")
+
+    max_tokens = max(max(sizes), NUM_PREFIXES * prefix_tokens)
+    rows = Rows(max_tokens, width)
+    results = []
+    for size in sizes:
+        warm, steps = make_steps(size, num_steps, num_blocks, prefix_tokens, max_tokens)
+        capacity = max(size, warm.n)
+        step_bytes = size * (width * torch.finfo(HIDDEN_DTYPE).bits // 8 + MM_WIDTH * 4)
+        row: dict[str, Any] = {"step_tokens": size, "step_bytes": step_bytes}
+        sides = [Ours(num_blocks, capacity)]
+        if pc is not None:
+            sides.append(Theirs(pc, num_blocks, capacity))
+        for side in sides:
+            try:
+                row[side.name] = run_side(side, warm, steps, rows, checks=3)
+            finally:
+                side.close()
+        mat_bytes = row["omni_pcache"]["materialize_bytes"]
+        copy_step = copy_reference(step_bytes, 30)
+        copy_mat = copy_reference(mat_bytes, 30)
+        row["torch_copy"] = {
+            "step_bytes_us": copy_step * 1e6,
+            "step_bytes_gbps": step_bytes / copy_step / 1e9,
+            "materialize_bytes_us": copy_mat * 1e6,
+            "materialize_bytes_gbps": mat_bytes / copy_mat / 1e9,
+        }
+        ours = row["omni_pcache"]
+        ours["materialize_vs_copy_bandwidth"] = ours["materialize_gbps"] / row["torch_copy"]["materialize_bytes_gbps"]
+        if "vllm_omni" in row:
+            theirs = row["vllm_omni"]
+            theirs["materialize_vs_copy_bandwidth"] = (
+                theirs["materialize_gbps"] / row["torch_copy"]["materialize_bytes_gbps"]
+            )
+            row["ratio_ours_over_theirs"] = {
+                "engine_thread": ours["engine_thread_us"] / theirs["engine_thread_us"],
+                "materialize": ours["materialize_us"] / theirs["materialize_us"],
+            }
+        results.append(row)
+        line = (
+            f"{size:>5} tok: omni_pcache engine {ours['engine_thread_us']:>8.0f} us, "
+            f"materialize {ours['materialize_us']:>7.0f} us ({ours['materialize_gbps']:.2f} GB/s)"
+        )
+        if "vllm_omni" in row:
+            t = row["vllm_omni"]
+            r = row["ratio_ours_over_theirs"]
+            line += (
+                f" | vllm_omni engine {t['engine_thread_us']:>8.0f} us, materialize {t['materialize_us']:>7.0f} us"
+                f" ({t['materialize_gbps']:.2f} GB/s) | ours/theirs engine {r['engine_thread']:.3f},"
+                f" materialize {r['materialize']:.3f}"
+            )
+        line += (
+            f" | torch copy: step {row['torch_copy']['step_bytes_us']:.0f} us,"
+            f" {row['torch_copy']['materialize_bytes_gbps']:.2f} GB/s"
+        )
+        print(line, flush=True)
+
+    doc = {
+        "bench": "step_overhead",
+        "machine": machine(),
+        "torch_threads": torch.get_num_threads(),
+        "command": command(),
+        "quick": args.quick,
+        "workload": {
+            "block_size": BLOCK,
+            "num_blocks": num_blocks,
+            "requests_per_step": NUM_REQS,
+            "hitting_requests_per_step": NUM_REQS // 2,
+            "shared_prefix_tokens": prefix_tokens,
+            "hidden": {"dtype": str(HIDDEN_DTYPE), "width": width},
+            "mm": {MM_KEY: {"dtype": str(MM_DTYPE), "width": MM_WIDTH}},
+            "steps_per_size": num_steps,
+        },
+        "vllm_omni": {
+            "version": VLLM_OMNI_VERSION,
+            "compared": pc is not None,
+            "note": why_missing
+            or "eager=True (its only CPU mode): the pool write runs inline in save_outputs on the engine thread",
+        },
+        "results": results,
+    }
+    write(args.out, doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

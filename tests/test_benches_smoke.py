@@ -1,0 +1,107 @@
+"""Smoke runs of the Python benches' ``--quick`` modes: each finishes, exits 0 and writes its
+JSON with the expected fields. No timing is asserted. The vLLM-Omni side of step_overhead
+runs only where scripts/setup-bench.sh has built .venv-bench."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
+
+
+def run_bench(name: str, out: Path, *extra: str, python: Path | str = sys.executable) -> dict:
+    proc = subprocess.run(
+        [str(python), str(ROOT / "benches" / f"{name}.py"), "--quick", "--out", str(out), *extra],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr}"
+    doc = json.loads(out.read_text())
+    assert doc["quick"] is True
+    assert doc["machine"] and doc["command"]
+    return doc
+
+
+STEP_FIELDS = {"engine_thread_us", "materialize_us", "materialize_bytes", "materialize_gbps"}
+
+
+def check_step_rows(doc: dict, theirs: bool) -> None:
+    assert [r["step_tokens"] for r in doc["results"]] == [64, 256]
+    for row in doc["results"]:
+        assert STEP_FIELDS <= set(row["omni_pcache"])
+        assert {"step_bytes_gbps", "materialize_bytes_gbps"} <= set(row["torch_copy"])
+        assert ("vllm_omni" in row) is theirs
+        if theirs:
+            assert STEP_FIELDS <= set(row["vllm_omni"])
+            assert {"engine_thread", "materialize"} <= set(row["ratio_ours_over_theirs"])
+            assert all(v > 0 for v in row["ratio_ours_over_theirs"].values())
+
+
+def test_step_overhead_ours_only(tmp_path: Path) -> None:
+    doc = run_bench("step_overhead", tmp_path / "s.json", "--no-theirs")
+    assert doc["vllm_omni"]["compared"] is False and doc["vllm_omni"]["note"]
+    check_step_rows(doc, theirs=False)
+
+
+@pytest.mark.skipif(not BENCH_PYTHON.exists(), reason=".venv-bench absent (bash scripts/setup-bench.sh)")
+def test_step_overhead_vs_vllm_omni(tmp_path: Path) -> None:
+    doc = run_bench("step_overhead", tmp_path / "s.json", python=BENCH_PYTHON)
+    assert doc["vllm_omni"]["compared"] is True
+    check_step_rows(doc, theirs=True)
+
+
+def test_hashing(tmp_path: Path) -> None:
+    res = run_bench("hashing", tmp_path / "h.json")["results"]
+    assert res["prompt_tokens"] == 2048 and res["blocks_per_prompt"] == 128
+    for key in (
+        "vllm_sha256_pickle_python_ns_per_block",
+        "omni_pcache_block_hashes_numpy_ns_per_block",
+        "omni_pcache_hash_blocks_list_ns_per_block",
+        "speedup_block_hashes",
+        "speedup_hash_blocks",
+        "omni_pcache_block_hashes_list_ns_per_block",
+    ):
+        assert res[key] > 0
+
+
+def test_engine(tmp_path: Path) -> None:
+    doc = run_bench("engine", tmp_path / "e.json")
+    rows = {r["workload"]: r for r in doc["results"]}
+    assert set(rows) == {"random", "chat", "fewshot"}
+    assert rows["random"]["on"]["hit_tokens"] == 0
+    assert {"off", "on", "kv_only", "wall_change_on_vs_off"} <= set(rows["random"])
+    for name in ("chat", "fewshot"):
+        assert rows[name]["on"]["hit_tokens"] > 0
+        assert rows[name]["on"]["tokens_computed"] < rows[name]["off"]["tokens_computed"]
+        assert {"wall_change_on_vs_off", "tokens_saved_fraction"} <= set(rows[name])
+
+
+def test_gpu_bench_without_cuda_exits_zero(tmp_path: Path) -> None:
+    if __import__("torch").cuda.is_available():
+        pytest.skip("has CUDA: `just gpu-check` runs the real bench")
+    out = tmp_path / "g.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benches" / "gpu.py"), "--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0 and "no CUDA" in proc.stdout
+    assert not out.exists()
+
+
+def test_gpu_bench_logic_on_cpu(tmp_path: Path) -> None:
+    doc = run_bench("gpu", tmp_path / "g.json", "--device", "cpu")
+    assert [r["step_tokens"] for r in doc["save_path"]] == [64, 256]
+    for row in doc["save_path"]:
+        assert {"raw_pinned_copy_gbps", "save_path_d2h_gbps", "engine_thread_save_us"} <= set(row)
+    assert {"off_ms", "on_ms", "overhead"} <= set(doc["cache_on_vs_off_0pct_hits"][0])
