@@ -536,13 +536,25 @@ class PrefixCache:
                 }
                 hit = record.hits.get(req_id)
                 if hit is not None:
-                    served = self._reader.serve(hit, step_id, self._config.claim_timeout_s)
+                    # One output tensor per key: the hit's rows gathered into its front, this
+                    # step's rows copied behind them.
+                    out = {
+                        name: torch.empty((hit.num_rows + v.shape[0], *v.shape[1:]), dtype=v.dtype)
+                        for name, v in rows.items()
+                    }
+                    served = self._reader.serve(
+                        hit, step_id, self._config.claim_timeout_s, {n: o[: hit.num_rows] for n, o in out.items()}
+                    )
                     self._counters.add(
                         rows_from_pool=served.from_pool,
                         rows_in_flight=served.in_flight,
                         rows_preserved=served.preserved,
                     )
-                    rows = {name: torch.cat([served.rows[name], rows[name]]) for name in rows}
+                    for name, value in rows.items():
+                        if served.rows[name].data_ptr() != out[name].data_ptr():
+                            out[name][: hit.num_rows].copy_(served.rows[name])
+                        out[name][hit.num_rows :].copy_(value)
+                    rows = out
                 else:
                     rows = {name: value.clone() for name, value in rows.items()}
                 for name, value in rows.items():

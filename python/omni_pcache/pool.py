@@ -46,9 +46,12 @@ class HostPool:
         """Scatters ``rows`` to ``slots`` (committer thread only)."""
         self._rows[key].index_copy_(0, slots, rows)
 
-    def read(self, key: str, slots: torch.Tensor) -> torch.Tensor:
-        """A new tensor with the rows at ``slots`` (any thread)."""
-        return self._rows[key].index_select(0, slots)
+    def read(self, key: str, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows at ``slots`` (any thread), into ``out`` if given (a contiguous tensor of the
+        right shape), else a new tensor."""
+        if out is None:
+            return self._rows[key].index_select(0, slots)
+        return torch.index_select(self._rows[key], 0, slots, out=out)
 
     def nbytes(self) -> dict[str, int]:
         """Bytes allocated per key."""

@@ -96,8 +96,12 @@ class HitReader:
             for read in hit.keys:
                 self._ledger.release(read.read_id)
 
-    def serve(self, hit: HitRead, step_id: int, timeout_s: float) -> ServedRows:
-        """The hit's rows per key (materializing thread). Raises `UnservableHitError`."""
+    def serve(
+        self, hit: HitRead, step_id: int, timeout_s: float, into: dict[str, torch.Tensor] | None = None
+    ) -> ServedRows:
+        """The hit's rows per key (materializing thread), written into ``into[key]`` when given
+        (the front of the caller's output tensor: one copy instead of two). Raises
+        `UnservableHitError`."""
         deadline = time.monotonic() + timeout_s
         for read in hit.keys:
             absent = np.flatnonzero(read.sources == SOURCE_ABSENT)
@@ -108,7 +112,13 @@ class HitReader:
                     f"{absent[:8].tolist()}, slots {read.slots[absent[:8]].tolist()}): the cache "
                     "does not mirror the engine's KV for these blocks"
                 )
-        in_flight = {int(t) for read in hit.keys for t in np.unique(read.sources) if t >= 0}
+        in_flight = {
+            int(t)
+            for read in hit.keys
+            if read.sources.size and read.sources.max() >= 0
+            for t in np.unique(read.sources)
+            if t >= 0
+        }
         # Deferred rows not yet written are served from their device clone, never waited for
         # (their write may not happen before the request finishes).
         clones = {t: record for t in in_flight if (record := self._open_deferred(t)) is not None}
@@ -117,7 +127,8 @@ class HitReader:
         served: dict[str, torch.Tensor] = {}
         preserved = in_flight_rows = from_pool = 0
         for read in hit.keys:
-            rows = self._pool.read(read.spec.name, torch.from_numpy(read.slots))
+            dest = None if into is None else into.get(read.spec.name)
+            rows = self._pool.read(read.spec.name, torch.from_numpy(read.slots), out=dest)
             for task_id, record in clones.items():
                 at = np.flatnonzero(read.sources == task_id)
                 if at.size:
