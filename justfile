@@ -77,7 +77,7 @@ fmt: setup
 gpu-wheels: setup
     rm -rf dist/gpu && mkdir -p dist/gpu
     maturin build --release --out dist/gpu
-    pip download --quiet --dest dist/gpu --only-binary=:all: --python-version 3.12 pytest pytest-timeout hypothesis numpy
+    pip download --quiet --dest dist/gpu --only-binary=:all: --python-version 3.12 pytest pytest-timeout hypothesis numpy rich
 
 # On a GPU machine: the cuda-marked tests and the copy benchmark, as one script (see scripts/gpu_check.sh).
 gpu-check:
