@@ -29,7 +29,7 @@ from omni_pcache._native import Ledger, StagingSlots, StepIds, WriteTasks
 from omni_pcache.committer import Committer
 from omni_pcache.config import HIDDEN, CacheConfig, CachePolicy
 from omni_pcache.copy_engine import CopyEngine, CopyHandle
-from omni_pcache.deferred import Clone, DeferredRecord, DeviceBudget
+from omni_pcache.deferred import Clone, DeferredRecord, DeferredWrites
 from omni_pcache.delivery import DeliveryTracker
 from omni_pcache.errors import (
     CacheClosedError,
@@ -99,15 +99,16 @@ class PrefixCache:
             lambda: self._failure,
             self._open_deferred,
         )
-        self._budget = DeviceBudget(config.device_budget_bytes)
-        self._open: dict[str, DeferredRecord] = {}  # live request -> its open deferred record
+        self._counters = Counters()
+        self._deferred = DeferredWrites(
+            config, self._tasks, lambda: self._committer.notify(1), self._counters.waited, self._failure_or_none
+        )
         self._records: dict[int, WriteRecord | DeferredRecord] = {}
         self._req_tasks: dict[str, set[int]] = {}
         self._delivery = DeliveryTracker(config.block_size)
         self._step_records: dict[int, StepRecord] = {}
         self._failure: WriteFailedError | None = None
         self._closed = False
-        self._counters = Counters()
         self._committer = Committer(self._tasks, self._write_tasks, self._on_write_failure, config.threaded)
         # A cache dropped without close() still stops its committer (before interpreter exit).
         self._finalizer = weakref.finalize(self, self._committer.stop, config.claim_timeout_s)
@@ -150,6 +151,9 @@ class PrefixCache:
         with self._cond:
             self._cond.notify_all()
 
+    def _failure_or_none(self) -> WriteFailedError | None:
+        return self._failure
+
     def _check_usable(self) -> None:
         if self._failure is not None:
             raise self._failure
@@ -175,11 +179,7 @@ class PrefixCache:
             self._delivery.finish(req_id)
             for task_id in sorted(self._req_tasks.pop(req_id, ())):
                 self._tasks.escalate(task_id)
-            record = self._open.pop(req_id, None)
-            if record is not None:
-                self._tasks.escalate(record.task_id)  # PENDING: flagged, queued at the front
-                self._flush(record)
-                flushed += 1
+            flushed += self._deferred.finish(req_id)
         if flushed:
             self._committer.notify(flushed)
         hits = misses = 0
@@ -203,11 +203,7 @@ class PrefixCache:
         cached, leftover = self._keys.classify(hidden, {} if mm is None else mm, shape.n, shape.n_padded)
         deferred_names = self._policy.deferred_keys
         for name in deferred_names & cached.keys():
-            if cached[name][0].row_bytes * shape.n > self._budget.limit:
-                raise InvalidInputError(
-                    f"this step's rows of deferred key {name!r} ({cached[name][0].row_bytes * shape.n} bytes) "
-                    f"exceed device_budget_bytes={self._budget.limit}"
-                )
+            self._deferred.check_fits(name, cached[name][0].row_bytes * shape.n)
         specs = [spec for spec, _ in cached.values()]
         immediate = [spec for spec in specs if spec.name not in deferred_names]
         deferred = [spec for spec in specs if spec.name in deferred_names]
@@ -223,7 +219,7 @@ class PrefixCache:
                 copy.copy(self._pages.page(spec.name, page)[: shape.n], cached[spec.name][1][: shape.n])
             kept_leftover = {name: snapshot(value, copy) for name, value in leftover.items()}
             handle = copy.finish()
-            clones = self._clone_deferred(deferred, cached, shape, step_id)
+            clones = self._deferred.clone_step(deferred, cached, shape)
             records, from_pool, from_deferred = self._claim_rows(
                 step_id, page, shape, immediate, deferred, handle, clones
             )
@@ -248,60 +244,6 @@ class PrefixCache:
         self._tasks.enqueue_many([record.task_id for record in records])
         self._committer.notify(len(records))
         return step_id
-
-    def _clone_deferred(self, deferred: list[KeySpec], cached, shape, step_id: int) -> dict[str, Clone]:
-        """One device clone per deferred key of this step's rows, charged once to the device
-        budget; flushes the oldest open deferred records first when it would overflow."""
-        if not deferred:
-            return {}
-        holders = sum(1 for _, count in shape.rows.values() if count)
-        need = sum(spec.row_bytes * shape.n for spec in deferred)
-        if self._budget.used + need > self._budget.limit:
-            self._make_room(need)
-        clones = {}
-        for spec in deferred:
-            clone = Clone.of(cached[spec.name][1][: shape.n], holders, self._budget)
-            if holders:
-                self._budget.charge(clone.nbytes)
-            clones[spec.name] = clone
-        return clones
-
-    def _make_room(self, need: int) -> None:
-        """Flushes open deferred records, oldest first, until their writes free enough of the
-        device budget, then waits for those writes (engine thread; up to claim_timeout_s)."""
-        overflow = self._budget.used + need - self._budget.limit
-        freed = 0
-        counted: set[int] = set()
-        for record in sorted(self._open.values(), key=lambda r: (r.step_id, r.task_id)):
-            if freed >= overflow:
-                break
-            del self._open[record.req_id]
-            self._flush(record)
-            self._committer.notify(1)
-            for chunks in record.chunks.values():
-                for clone, _, _ in chunks:
-                    if id(clone) not in counted and all(r.flushed or r.closed for r in clone.owners):
-                        counted.add(id(clone))
-                        freed += clone.nbytes
-        start = time.monotonic()
-        fits = self._budget.wait_for_room(need, start + self._config.claim_timeout_s)
-        self._counters.waited(time.monotonic() - start)
-        if not fits:
-            if self._failure is not None:
-                raise self._failure
-            err = StagingTimeoutError(
-                f"save waited {self._config.claim_timeout_s:g} s for {need} bytes of device budget "
-                f"(used {self._budget.used} of {self._budget.limit}); open deferred requests: "
-                f"{sorted(self._open)}"
-            )
-            err.holders = []
-            err.unconsumed = self._steps.outstanding()
-            raise err
-
-    def _flush(self, record: DeferredRecord) -> None:
-        """Queues an open deferred record for writing (engine thread)."""
-        record.flushed = True
-        self._tasks.enqueue(record.task_id)
 
     def _claim_page(self, step_id: int) -> int:
         try:
@@ -364,14 +306,10 @@ class PrefixCache:
             if deferred:
                 owners = []
                 for req_id, start, count in scheduled:
-                    record = self._open.get(req_id)
+                    record = self._deferred.open.get(req_id)
                     if record is None:
-                        task_id = self._tasks.create()
-                        record = DeferredRecord(
-                            task_id, req_id, step_id, tuple(deferred), self._config.copy_chunk_bytes
-                        )
-                        self._records[task_id] = record
-                        self._open[req_id] = record
+                        record = self._deferred.open_record(req_id, step_id, tuple(deferred))
+                        self._records[record.task_id] = record
                     record.append(clones, start, count, slot_tensor[start : start + count])
                     owners.append(record.task_id)
                     for spec in deferred:
@@ -453,8 +391,7 @@ class PrefixCache:
             for record in self._records.values():
                 if record.deferred:
                     record.release()
-            self._open.clear()
-            self._budget.wake()
+            self._deferred.drop_all()
             self._staging.close()
             for page, holders in enumerate(self._staging.holders()):
                 for holder in holders:
@@ -604,8 +541,8 @@ class PrefixCache:
             steps_outstanding=self._steps.outstanding(),
             tasks_live=len(self._tasks),
             preserved_entries=len(self._preserved),
-            device_bytes=self._budget.used,
-            deferred_open=len(self._open),
+            device_bytes=self._deferred.budget.used,
+            deferred_open=len(self._deferred.open),
         )
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from omni_pcache.copy_engine import empty_host
+from omni_pcache.errors import InvalidInputError, StagingTimeoutError
 from omni_pcache.keys import KeySpec
 
 
@@ -160,3 +161,104 @@ class DeferredRecord:
         for spec in self.keys:
             for clone, _, _ in self.chunks.get(spec.name, []):
                 clone.release()
+
+
+class DeferredWrites:
+    """The open deferred records of live requests and the device budget they share.
+
+    Engine thread only (the committer releases clones through `Clone.release`). Opening,
+    extending and flushing records happens here; claiming their slots stays with the cache,
+    under its ledger lock.
+    """
+
+    def __init__(self, config, tasks, notify, waited, failure) -> None:
+        self._config = config
+        self._tasks = tasks
+        self._notify = notify  # wakes the committer for one queued task
+        self._waited = waited  # records a blocking wait in the stats
+        self._failure = failure  # the sticky write failure, if any
+        self.budget = DeviceBudget(config.device_budget_bytes)
+        self.open: dict[str, DeferredRecord] = {}  # live request -> its open record
+
+    def check_fits(self, name: str, nbytes: int) -> None:
+        """Refuses (before anything changes) a step whose rows of one key exceed the budget."""
+        if nbytes > self.budget.limit:
+            raise InvalidInputError(
+                f"this step's rows of deferred key {name!r} ({nbytes} bytes) "
+                f"exceed device_budget_bytes={self.budget.limit}"
+            )
+
+    def open_record(self, req_id: str, step_id: int, keys: tuple[KeySpec, ...]) -> DeferredRecord:
+        """A new open record (a PENDING write task) for a live request."""
+        record = DeferredRecord(self._tasks.create(), req_id, step_id, keys, self._config.copy_chunk_bytes)
+        self.open[req_id] = record
+        return record
+
+    def clone_step(self, deferred: list[KeySpec], cached, shape) -> dict[str, Clone]:
+        """One device clone per deferred key of this step's rows, charged once to the budget;
+        flushes the oldest open records first when it would overflow."""
+        if not deferred:
+            return {}
+        holders = sum(1 for _, count in shape.rows.values() if count)
+        need = sum(spec.row_bytes * shape.n for spec in deferred)
+        if self.budget.used + need > self.budget.limit:
+            self._make_room(need)
+        clones = {}
+        for spec in deferred:
+            clone = Clone.of(cached[spec.name][1][: shape.n], holders, self.budget)
+            if holders:
+                self.budget.charge(clone.nbytes)
+            clones[spec.name] = clone
+        return clones
+
+    def flush(self, record: DeferredRecord) -> None:
+        """Queues an open record for writing."""
+        del self.open[record.req_id]
+        record.flushed = True
+        self._tasks.enqueue(record.task_id)
+
+    def finish(self, req_id: str) -> int:
+        """The request finished or aborted: its open record goes to the front of the queue.
+        Returns how many tasks were queued (0 or 1)."""
+        record = self.open.get(req_id)
+        if record is None:
+            return 0
+        self._tasks.escalate(record.task_id)  # PENDING: flagged, queued at the front
+        self.flush(record)
+        return 1
+
+    def drop_all(self) -> None:
+        """After a failure: forget open records (their clones are released by the cache)."""
+        self.open.clear()
+        self.budget.wake()
+
+    def _make_room(self, need: int) -> None:
+        """Flushes open records, oldest first, until their writes free enough of the budget,
+        then waits for those writes (up to claim_timeout_s)."""
+        overflow = self.budget.used + need - self.budget.limit
+        freed = 0
+        counted: set[int] = set()
+        for record in sorted(self.open.values(), key=lambda r: (r.step_id, r.task_id)):
+            if freed >= overflow:
+                break
+            self.flush(record)
+            self._notify()
+            for chunks in record.chunks.values():
+                for clone, _, _ in chunks:
+                    if id(clone) not in counted and all(r.flushed or r.closed for r in clone.owners):
+                        counted.add(id(clone))
+                        freed += clone.nbytes
+        start = time.monotonic()
+        fits = self.budget.wait_for_room(need, start + self._config.claim_timeout_s)
+        self._waited(time.monotonic() - start)
+        if not fits:
+            failure = self._failure()
+            if failure is not None:
+                raise failure
+            err = StagingTimeoutError(
+                f"save waited {self._config.claim_timeout_s:g} s for {need} bytes of device budget "
+                f"(used {self.budget.used} of {self.budget.limit}); open deferred requests: {sorted(self.open)}"
+            )
+            err.holders = []
+            err.unconsumed = []
+            raise err
