@@ -15,7 +15,7 @@ default:
 setup:
     bash scripts/setup.sh
 
-# Build the native module into .venv (debug build; fast to compile).
+# Build the native module into .venv (release build, editable Python sources).
 develop:
     maturin develop --quiet --release
 
@@ -41,9 +41,10 @@ soak SEEDS="120": setup develop
 loom:
     RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=3 cargo test -p pcache-core --release --test loom_models -- --nocapture
 
-# Every benchmark in one run: the core's criterion benches, then the Python benches, the step
-# workload side by side with vLLM-Omni 0.30.0's prefix cache (.venv-bench, built once by
-# scripts/setup-bench.sh). Each writes benches/results/<name>.json; nothing asserts a time.
+# The step workload side by side with vLLM-Omni 0.30.0 (.venv-bench, built once by
+# scripts/setup-bench.sh) runs between the core's criterion benches and the other Python
+# benches; each writes benches/results/<name>.json and nothing asserts a time.
+# Every benchmark in one run, side by side with vLLM-Omni's prefix cache.
 bench: setup develop
     bash scripts/setup-bench.sh
     cargo bench -p pcache-core --bench core
