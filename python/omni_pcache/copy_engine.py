@@ -9,7 +9,7 @@ Committer and materializing threads: `CopyHandle.wait`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -48,7 +48,6 @@ class StepCopy:
     engine: CopyEngine
     _stream: torch.cuda.Stream | None = None
     _device: torch.device | None = None
-    _sources: list[torch.Tensor] = field(default_factory=list)
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         if self._stream is None:
@@ -72,7 +71,6 @@ class StepCopy:
         # The caching allocator must not hand src's memory to the compute stream before
         # the side stream has read it.
         src.record_stream(stream)
-        self._sources.append(src)
 
     def snapshot(self, src: torch.Tensor) -> torch.Tensor:
         """A host copy of ``src`` (valid after the step's handle is waited)."""
@@ -90,7 +88,6 @@ class StepCopy:
         done = torch.cuda.Event()
         done.record(self._stream)
         self.engine.remember(self._device, done)
-        self._sources.clear()
         return CopyHandle(done)
 
 

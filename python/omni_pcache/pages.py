@@ -28,10 +28,6 @@ class StagingPages:
         self._pages: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
 
-    @property
-    def capacity(self) -> int:
-        return self._capacity
-
     def ensure(self, spec: KeySpec) -> None:
         """Allocates the key's pages on first sight (engine thread)."""
         if spec.name in self._pages:

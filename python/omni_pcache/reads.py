@@ -168,4 +168,4 @@ class HitReader:
         return ServedRows(served, from_pool, in_flight_rows, preserved)
 
 
-__all__ = ["SOURCE_POOL", "HitRead", "HitReader", "KeyRead", "ServedRows"]
+__all__ = ["HitRead", "HitReader", "KeyRead", "ServedRows"]
