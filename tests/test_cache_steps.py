@@ -119,7 +119,7 @@ def test_bad_batches_raise_and_the_cache_stays_usable(batch, message) -> None:
             "num_computed_tokens=3 is not a whole number of blocks",
         ),
         (StepEvents(new=[NewRequest("a", [0], 8)]), "num_computed_tokens=8 exceeds its 1 blocks of 4"),
-        (StepEvents(new=[NewRequest("a", [0, 16])]), r"block ids \[0, 16\] out of range \[0, 16\)"),
+        (StepEvents(new=[NewRequest("a", [0, 16])]), r"'a': block id 16 at position 1 is out of range \[0, 16\)"),
         (StepEvents(new=[NewRequest("a", [0]), NewRequest("a", [1])]), "'a' is scheduled twice in one step"),
         (StepEvents(new=["a"]), "StepEvents.new holds NewRequests, got str"),
     ],

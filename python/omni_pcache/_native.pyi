@@ -124,3 +124,9 @@ def block_hashes(
     extra_keys: Sequence[bytes | None] | None = None,
 ) -> npt.NDArray[np.uint64]:
     """Chained block hashes of every full block as a (num_blocks, 2) array of [low, high]."""
+
+def block_table(blocks: IndexLike, num_blocks: int) -> npt.NDArray[np.int64]:
+    """``blocks`` (ints) as an int64 array, each checked to be in ``[0, num_blocks)``."""
+
+def block_slots(table: IndexLike, start: int, stop: int, block_size: int) -> npt.NDArray[np.int64]:
+    """Slot ids of positions ``[start, stop)`` under a checked int64 block table."""

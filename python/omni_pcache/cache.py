@@ -285,7 +285,7 @@ class PrefixCache:
         # (the slot mapping holds exactly the scheduled rows' slots; zero-count requests add none)
         scheduled = [(req_id, start, count) for req_id, (start, count) in shape.rows.items() if count]
         counts = [count for _, _, count in scheduled]
-        slot_tensor = torch.from_numpy(shape.slot_mapping)  # the scheduled rows' slots, in batch order
+        slot_ids = shape.slot_mapping  # the scheduled rows' slots, in batch order (int64)
         with self._cond:
             if immediate:
                 task_ids = self._tasks.create_many(len(scheduled))
@@ -293,7 +293,7 @@ class PrefixCache:
                 for task_id, (req_id, start, count) in zip(task_ids, scheduled, strict=True):
                     record = WriteRecord(
                         task_id, step_id, req_id, page, start, count, specs, handle,
-                        slot_tensor[start : start + count], self._pages,
+                        slot_ids[start : start + count], self._pages,
                     )  # fmt: skip
                     self._records[task_id] = record
                     self._req_tasks.setdefault(req_id, set()).add(task_id)
@@ -310,7 +310,7 @@ class PrefixCache:
                     if record is None:
                         record = self._deferred.open_record(req_id, step_id, tuple(deferred))
                         self._records[record.task_id] = record
-                    record.append(clones, start, count, slot_tensor[start : start + count])
+                    record.append(clones, start, count, slot_ids[start : start + count])
                     owners.append(record.task_id)
                     for spec in deferred:
                         clones[spec.name].owners.append(record)

@@ -46,10 +46,13 @@ class Committer:
             self._thread.start()
 
     def notify(self, num_tasks: int = 1) -> None:
-        """Tasks were queued (engine thread). Inline mode writes them now."""
+        """Tasks were queued (engine thread). Inline mode writes them now.
+
+        One wake-up per call, whatever ``num_tasks``: each wake-up drains every queued task,
+        and a task queued during a drain comes with its own wake-up."""
         if self._threaded:
             if num_tasks > 0:
-                self._wake.release(num_tasks)
+                self._wake.release()
         else:
             self._drain()
 

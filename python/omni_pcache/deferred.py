@@ -20,6 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from omni_pcache.copy_engine import empty_host
@@ -107,7 +108,7 @@ class DeferredRecord:
     keys: tuple[KeySpec, ...]
     copy_chunk_bytes: int
     chunks: dict[str, list[tuple[Clone, int, int]]] = field(default_factory=dict)
-    slots: list[torch.Tensor] = field(default_factory=list)
+    slots: list[np.ndarray] = field(default_factory=list)
     num_rows: int = 0
     flushed: bool = False
     closed: bool = False  # rows committed in the pool (ledger lock)
@@ -117,7 +118,7 @@ class DeferredRecord:
     released: bool = False
     deferred = True
 
-    def append(self, clones: dict[str, Clone], start: int, count: int, slots: torch.Tensor) -> None:
+    def append(self, clones: dict[str, Clone], start: int, count: int, slots: np.ndarray) -> None:
         """Adds one step's rows ``[start, start + count)`` of each key's clone (engine thread)."""
         for spec in self.keys:
             self.chunks.setdefault(spec.name, []).append((clones[spec.name], start, count))
@@ -149,7 +150,7 @@ class DeferredRecord:
 
     def position_of(self, slots: list[int]) -> torch.Tensor:
         """Positions of ``slots`` (the newest, if a slot was claimed twice)."""
-        row_of = {int(s): i for i, s in enumerate(torch.cat(self.slots).tolist())}
+        row_of = {int(s): i for i, s in enumerate(np.concatenate(self.slots).tolist())}
         return torch.tensor([row_of[s] for s in slots], dtype=torch.int64)
 
     def release(self) -> None:

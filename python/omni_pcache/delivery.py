@@ -20,11 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-
-def slots_of(blocks, start: int, stop: int, block_size: int) -> np.ndarray:
-    """Slot ids of positions ``[start, stop)`` under a block table (a list or an int array)."""
-    pos = np.arange(start, stop, dtype=np.int64)
-    return np.asarray(blocks, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
+from omni_pcache._native import block_slots
 
 
 @dataclass(slots=True)
@@ -50,12 +46,13 @@ class DeliveryTracker:
     def __len__(self) -> int:
         return len(self._live)
 
-    def schedule(self, req_id: str, blocks, num_computed: int) -> bool:
+    def schedule(self, req_id: str, blocks: np.ndarray, num_computed: int) -> bool:
         """A request (re)enters with ``num_computed`` tokens already computed; plans the pool
         read of what its consumer has not been given below that. Returns whether it reads."""
         state = self._live.setdefault(req_id, Delivery())
         read_from = state.delivered
-        state.read = slots_of(blocks, read_from, num_computed, self._block_size) if num_computed > read_from else None
+        reads = num_computed > read_from
+        state.read = block_slots(blocks, read_from, num_computed, self._block_size) if reads else None
         state.next_pos = num_computed
         return state.read is not None
 

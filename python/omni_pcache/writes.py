@@ -40,7 +40,7 @@ class WriteRecord:
     num_rows: int
     keys: tuple[KeySpec, ...]
     handle: CopyHandle
-    slots: torch.Tensor  # the claimed slots in row order (CPU int64)
+    slots: np.ndarray  # the claimed slots in row order (int64)
     pages: StagingPages
     # (key spec, slots, versions) to keep aside when written: reads captured them in transit.
     obligations: list[tuple[KeySpec, list[int], list[int]]] = field(default_factory=list)

@@ -96,6 +96,14 @@ pub enum Error {
     #[error("staging registry is closed")]
     StagingClosed,
 
+    /// A block table entry outside the engine's KV cache.
+    #[error("block id {block} at position {position} is out of range [0, {num_blocks})")]
+    BlockOutOfRange {
+        block: i64,
+        position: usize,
+        num_blocks: u32,
+    },
+
     /// A registry or ledger asked to be built with no capacity, or a bad size.
     #[error("invalid configuration: {what}")]
     InvalidConfig { what: String },

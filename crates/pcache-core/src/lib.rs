@@ -11,10 +11,12 @@
 //!   copy-on-write preservation lists;
 //! - [`step_ids`]: exactly-once step ids;
 //! - [`staging`]: the staging-slot registry (a ring of pages with holders and timeouts);
+//! - [`block_table`]: block tables checked, and the slots of a span of positions;
 //! - [`hashing`]: chained 128-bit block hashes over token ids.
 //!
 //! The Python binding (`crates/pcache-py`) is a thin layer over these types.
 
+pub mod block_table;
 pub mod error;
 pub mod hashing;
 pub mod ids;

@@ -102,6 +102,7 @@ pub fn to_pyerr(err: Error) -> PyErr {
             Error::StagingClosed => raise("CacheClosedError", message, vec![]),
             Error::InvalidConfig { .. } => raise("ConfigError", message, vec![]),
             Error::SlotOutOfRange { .. }
+            | Error::BlockOutOfRange { .. }
             | Error::DuplicateSlot { .. }
             | Error::UnknownKey { .. }
             | Error::UnknownRead { .. }

@@ -4,6 +4,7 @@
 //! are borrowed, not copied), releases the GIL for anything that loops over slots or blocks
 //! or waits, calls the core, and maps errors in one place ([`errors`]).
 
+mod block_table;
 mod convert;
 mod errors;
 mod hashing;
@@ -26,5 +27,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<registries::StepIds>()?;
     m.add_class::<registries::StagingSlots>()?;
     m.add_function(wrap_pyfunction!(hashing::block_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(block_table::block_table, m)?)?;
+    m.add_function(wrap_pyfunction!(block_table::block_slots, m)?)?;
     Ok(())
 }

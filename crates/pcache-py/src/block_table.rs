@@ -1,0 +1,74 @@
+//! `block_table` and `block_slots`: a request's block ids checked into an int64 array, and the
+//! slot ids of a span of positions under such a table (engine thread; see
+//! `pcache_core::block_table`).
+
+use numpy::PyArray1;
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyList, PyTuple};
+
+use crate::convert::{int_array, Indices, IndexSlice};
+use crate::errors::{invalid_input, IntoPy};
+
+/// One block id of a list or tuple: an int (or numpy integer), never a bool.
+fn block_id(item: &Bound<'_, PyAny>, position: usize) -> PyResult<i64> {
+    if item.is_instance_of::<PyBool>() {
+        return Err(invalid_input(format!(
+            "block_ids must be a list of ints, got {item} at position {position}"
+        )));
+    }
+    item.extract::<i64>().map_err(|_| {
+        let shown = item.repr().map(|r| r.to_string()).unwrap_or_default();
+        invalid_input(format!(
+            "block_ids must be a list of ints, got {shown} at position {position}"
+        ))
+    })
+}
+
+/// `blocks` (a list or tuple of ints, or a 1-D int64/int32 array) as an int64 array, every id
+/// checked to be in `[0, num_blocks)`. Raises `InvalidInputError` naming the first bad entry.
+#[pyfunction]
+pub fn block_table(
+    py: Python<'_>,
+    blocks: &Bound<'_, PyAny>,
+    num_blocks: u32,
+) -> PyResult<Py<PyArray1<i64>>> {
+    let table: Vec<i64> = if let Ok(list) = blocks.cast::<PyList>() {
+        list.iter()
+            .enumerate()
+            .map(|(i, item)| block_id(&item, i))
+            .collect::<PyResult<_>>()?
+    } else if let Ok(tuple) = blocks.cast::<PyTuple>() {
+        tuple
+            .iter()
+            .enumerate()
+            .map(|(i, item)| block_id(&item, i))
+            .collect::<PyResult<_>>()?
+    } else {
+        match Indices::extract(blocks, "block_ids")?.slice() {
+            IndexSlice::I64(s) => s.to_vec(),
+            IndexSlice::I32(s) => s.iter().map(|&b| i64::from(b)).collect(),
+        }
+    };
+    pcache_core::block_table::check_block_ids(&table, num_blocks).py_err()?;
+    Ok(int_array(py, table))
+}
+
+/// Slot ids of positions `[start, stop)` under a checked int64 block table.
+#[pyfunction]
+pub fn block_slots(
+    py: Python<'_>,
+    table: &Bound<'_, PyAny>,
+    start: usize,
+    stop: usize,
+    block_size: u32,
+) -> PyResult<Py<PyArray1<i64>>> {
+    let slots = match Indices::extract(table, "table")?.slice() {
+        IndexSlice::I64(s) => pcache_core::block_table::slots_of(s, start, stop, block_size),
+        IndexSlice::I32(s) => {
+            let wide: Vec<i64> = s.iter().map(|&b| i64::from(b)).collect();
+            pcache_core::block_table::slots_of(&wide, start, stop, block_size)
+        }
+    }
+    .py_err()?;
+    Ok(int_array(py, slots))
+}
