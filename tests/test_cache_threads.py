@@ -1,5 +1,5 @@
-"""Who does what: the committer thread writes the pool; save never waits for its copies;
-inline mode for debugging; stats and the host footprint."""
+"""Who does what: the committer thread writes the pool and runs CPU staging copies; save never
+waits for its copies; inline mode for debugging; stats and the host footprint."""
 
 from __future__ import annotations
 
@@ -41,6 +41,53 @@ def test_the_committer_thread_writes_the_pool_and_save_does_not_wait_for_it() ->
         gate.set()
         cache.flush()
         assert writers == ["omni-pcache-committer"]
+
+
+def recording_host_copies(monkeypatch) -> list[str]:
+    from omni_pcache.copy_engine import HostCopy
+
+    names: list[str] = []
+    run = HostCopy.run
+
+    def record(self) -> None:
+        if not self.done():
+            names.append(threading.current_thread().name)
+        run(self)
+
+    monkeypatch.setattr(HostCopy, "run", record)
+    return names
+
+
+def test_cpu_staging_copies_run_on_the_committer_not_in_save(monkeypatch) -> None:
+    copiers = recording_host_copies(monkeypatch)
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        h = torch.arange(8.0).reshape(4, 2)
+        sid = cache.save(h, {}, StepBatch(["a"], [4], np.arange(4)))
+        cache.flush()
+        assert copiers == ["omni-pcache-committer"]
+        assert torch.equal(cache.materialize(sid, ["a"]).hidden["a"], h)
+        assert copiers == ["omni-pcache-committer"]  # materialize found the copy done
+
+
+def test_saved_cpu_tensors_may_be_reused_after_the_next_begin_step(monkeypatch) -> None:
+    with small_cache() as cache:
+        gate = threading.Event()
+        write = cache._writer.write_batch
+        cache._writer.write_batch = lambda records: (gate.wait(10), write(records))  # committer held back
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        h = torch.arange(8.0).reshape(4, 2)
+        sid = cache.save(h.clone(), {}, StepBatch(["a"], [4], np.arange(4)))
+        buffer = h.clone()
+        sid2 = cache.save(buffer, {}, StepBatch(["a"], [4], np.arange(4, 8)))
+        cache.begin_step(StepEvents(finished=["a"]))  # the fence: the buffer is the caller's again
+        buffer.fill_(-1.0)
+        gate.set()
+        assert torch.equal(cache.materialize(sid2, ["a"]).hidden["a"], h)
+        cache.discard(sid)
+        cache.begin_step(StepEvents(new=[NewRequest("b", [0, 1, 2], 8)]))
+        out = cache.materialize(cache.save(torch.ones(1, 2), {}, StepBatch(["b"], [1], np.array([8]))), ["b"])
+        assert torch.equal(out.hidden["b"], torch.cat([h, h, torch.ones(1, 2)]))
 
 
 def test_threaded_false_writes_inline_on_the_engine_thread() -> None:

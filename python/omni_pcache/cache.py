@@ -66,6 +66,11 @@ class StepRecord:
     hits: dict[str, HitRead]
     leftover: dict[str, Any]
     clones: dict[str, Clone]  # this step's rows of deferred keys
+    # The caller's CPU rows of the immediate keys, readable in place by the saving thread until
+    # the next begin_step (the copy fence `epoch`), so materialize there skips the copy wait.
+    sources: dict[str, torch.Tensor]
+    saved_by: int
+    epoch: int
 
 
 class PrefixCache:
@@ -215,8 +220,12 @@ class PrefixCache:
         page = self._claim_page(step_id)
         try:
             copy = self._copies.start()
+            sources: dict[str, torch.Tensor] = {}
             for spec in immediate:
-                copy.copy(self._pages.page(spec.name, page)[: shape.n], cached[spec.name][1][: shape.n])
+                src = cached[spec.name][1][: shape.n]
+                copy.copy(self._pages.page(spec.name, page)[: shape.n], src)
+                if not src.is_cuda:
+                    sources[spec.name] = src
             kept_leftover = {name: snapshot(value, copy) for name, value in leftover.items()}
             handle = copy.finish()
             clones = self._deferred.clone_step(deferred, cached, shape)
@@ -239,8 +248,9 @@ class PrefixCache:
                 if read is not None:
                     hits[req_id] = self._reader.plan(req_id, read, specs)
             self._step_records[step_id] = StepRecord(
-                step_id, page, handle, shape.n, shape.n_padded, rows, list(cached), hits, kept_leftover, clones
-            )
+                step_id, page, handle, shape.n, shape.n_padded, rows, list(cached), hits, kept_leftover, clones,
+                sources, threading.get_ident(), self._copies.epoch,
+            )  # fmt: skip
         self._tasks.enqueue_many([record.task_id for record in records])
         self._committer.notify(len(records))
         return step_id
@@ -455,52 +465,72 @@ class PrefixCache:
         """
         record = self._take_step(step_id, list(req_ids))
         try:
-            record.handle.wait()
             hidden: dict[str, Any] | None = {} if HIDDEN in record.keys else None
             mm: dict[str, dict[str, Any]] = {name: {} for name in record.keys if name != HIDDEN}
             mm.update({name: {} for name in record.leftover})
-            for req_id in req_ids:
-                start, count, drop = record.rows[req_id]
-                # Views of this step's rows (staging page or deferred clone); every returned
-                # tensor is a fresh copy, made once: by the concatenation after a hit, else here.
-                rows = {
-                    name: (
-                        record.clones[name].rows(start + drop, start + count).cpu()
-                        if name in record.clones
-                        else self._pages.page(name, record.page)[start + drop : start + count]
-                    )
-                    for name in record.keys
-                }
-                hit = record.hits.get(req_id)
-                if hit is not None:
-                    # One output tensor per key: the hit's rows gathered into its front, this
-                    # step's rows copied behind them.
-                    out = {
-                        name: torch.empty((hit.num_rows + v.shape[0], *v.shape[1:]), dtype=v.dtype)
-                        for name, v in rows.items()
-                    }
-                    served = self._reader.serve(
-                        hit, step_id, self._config.claim_timeout_s, {n: o[: hit.num_rows] for n, o in out.items()}
-                    )
-                    self._counters.add(
-                        rows_from_pool=served.from_pool,
-                        rows_in_flight=served.in_flight,
-                        rows_preserved=served.preserved,
-                    )
-                    for name, value in rows.items():
-                        if served.rows[name].data_ptr() != out[name].data_ptr():
-                            out[name][: hit.num_rows].copy_(served.rows[name])
-                        out[name][hit.num_rows :].copy_(value)
-                    rows = out
+            # Hit rows first: they come from the pool, so this step's own copy (run by the
+            # committer meanwhile) is usually done by the time its rows are needed.
+            in_place = self._sources_in_place(record)
+            planned = [(req_id, self._step_views(record, req_id, in_place)) for req_id in req_ids]
+            outputs = [(req_id, self._serve_hit(record, req_id, views)) for req_id, views in planned]
+            if not in_place:
+                record.handle.wait()
+            for (req_id, views), (_, out) in zip(planned, outputs, strict=True):
+                if out is None:  # a miss: every returned tensor is a fresh copy, made once
+                    out = {name: view.clone() for name, view in views.items()}
                 else:
-                    rows = {name: value.clone() for name, value in rows.items()}
-                for name, value in rows.items():
+                    for name, view in views.items():
+                        out[name][out[name].shape[0] - view.shape[0] :].copy_(view)
+                for name, value in out.items():
                     (hidden if name == HIDDEN else mm[name])[req_id] = value  # type: ignore[index]
+                start, count, _ = record.rows[req_id]
                 for name, value in record.leftover.items():
                     mm[name][req_id] = slice_leftover(value, start, start + count, record.n, record.n_padded)
             return StepOutputs(hidden, mm)
         finally:
             self._finish_step(record)
+
+    def _sources_in_place(self, record: StepRecord) -> bool:
+        """Whether this step's rows may be read from the caller's CPU tensors: only on the thread
+        that saved them and before its next begin_step, when the caller may reuse them."""
+        return (
+            len(record.sources) == len(record.keys) - len(record.clones)
+            and record.saved_by == threading.get_ident()
+            and record.epoch == self._copies.epoch
+        )
+
+    def _step_views(self, record: StepRecord, req_id: str, in_place: bool) -> dict[str, torch.Tensor]:
+        """Views of this step's rows of ``req_id`` that it returns: the caller's tensors
+        (``in_place``), else the staging page (valid once the step's copy handle is waited),
+        or the deferred clone."""
+        start, count, drop = record.rows[req_id]
+        views = {}
+        for name in record.keys:
+            if name in record.clones:
+                views[name] = record.clones[name].rows(start + drop, start + count).cpu()
+            elif in_place:
+                views[name] = record.sources[name][start + drop : start + count]
+            else:
+                views[name] = self._pages.page(name, record.page)[start + drop : start + count]
+        return views
+
+    def _serve_hit(self, record: StepRecord, req_id: str, views: dict) -> dict[str, torch.Tensor] | None:
+        """For a request with a hit: one output tensor per key with the hit's rows gathered into
+        its front (this step's rows go behind them once copied). ``None`` for a miss."""
+        hit = record.hits.get(req_id)
+        if hit is None:
+            return None
+        out = {name: torch.empty((hit.num_rows + v.shape[0], *v.shape[1:]), dtype=v.dtype) for name, v in views.items()}
+        served = self._reader.serve(
+            hit, record.step_id, self._config.claim_timeout_s, {n: o[: hit.num_rows] for n, o in out.items()}
+        )
+        self._counters.add(
+            rows_from_pool=served.from_pool, rows_in_flight=served.in_flight, rows_preserved=served.preserved
+        )
+        for name, rows in served.rows.items():
+            if rows.data_ptr() != out[name].data_ptr():
+                out[name][: hit.num_rows].copy_(rows)
+        return out
 
     def discard(self, step_id: int) -> None:
         """Consumes a step id whose outputs nobody needs (any thread). Writes still land."""

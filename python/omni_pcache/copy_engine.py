@@ -1,15 +1,24 @@
-"""Device→host copies of a step's rows: one copy per key per step, on a side CUDA stream
-ordered after the compute stream, or a plain synchronous copy for CPU tensors.
+"""Copies of a step's rows into host staging: one copy per key per step, launched at save and
+never waited for by the engine thread.
 
-Engine thread: `CopyEngine.start` / `StepCopy.copy` / `StepCopy.snapshot` / `StepCopy.finish`
-at save, and `CopyEngine.fence` at the next step's begin (the compute stream waits, on the
-device, for last step's copies before the next forward may overwrite their sources).
-Committer and materializing threads: `CopyHandle.wait`.
+- CUDA source: asynchronous on a side CUDA stream ordered after the compute stream; the next
+  step's `CopyEngine.fence` makes the compute stream wait for it on the device.
+- CPU source: a `HostCopy`, run once by whichever thread needs the rows first: normally the
+  committer (it is woken at the end of save and runs the copy while the engine thread goes
+  on), else a materializing thread, else the next `CopyEngine.fence` on the engine thread.
+
+Either way the tensors handed to save must stay unchanged until the next `begin_step`
+(the fence); the caller may reuse them after it.
+
+Engine thread: `CopyEngine.start` / `StepCopy.copy` / `StepCopy.finish` at save, and
+`CopyEngine.fence` at the next step's begin. Committer and materializing threads:
+`CopyHandle.wait`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,21 +33,48 @@ def empty_host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, pin_memory=pinned_available())
 
 
+class HostCopy:
+    """One step's CPU→CPU copies, run exactly once by the first thread that calls `run`; a
+    thread calling it meanwhile blocks until they are done (its own lock, held only for
+    these copies). torch releases the GIL while copying, so the engine thread goes on."""
+
+    __slots__ = ("_lock", "_pairs")
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._lock = threading.Lock()
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = pairs
+
+    def run(self) -> None:
+        if self._pairs is None:  # done (reading a reference is atomic)
+            return
+        with self._lock:
+            if self._pairs is not None:
+                for dst, src in self._pairs:
+                    dst.copy_(src)
+                self._pairs = None  # drops the references to the caller's tensors
+
+    def done(self) -> bool:
+        return self._pairs is None
+
+
 class CopyHandle:
-    """Completion of one step's copies. ``wait`` blocks until the host rows are valid;
-    a CPU-only step is complete from the start."""
+    """Completion of one step's copies. ``wait`` returns once the host rows are valid (running
+    the step's CPU copies itself if nobody has yet)."""
 
-    __slots__ = ("_event",)
+    __slots__ = ("_event", "_host")
 
-    def __init__(self, event: torch.cuda.Event | None = None) -> None:
+    def __init__(self, event: torch.cuda.Event | None = None, host: HostCopy | None = None) -> None:
         self._event = event
+        self._host = host
 
     def wait(self) -> None:
+        if self._host is not None:
+            self._host.run()
         if self._event is not None:
             self._event.synchronize()
 
     def done(self) -> bool:
-        return self._event is None or bool(self._event.query())
+        return (self._host is None or self._host.done()) and (self._event is None or bool(self._event.query()))
 
 
 @dataclass
@@ -48,6 +84,7 @@ class StepCopy:
     engine: CopyEngine
     _stream: torch.cuda.Stream | None = None
     _device: torch.device | None = None
+    _host: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         if self._stream is None:
@@ -61,9 +98,9 @@ class StepCopy:
         return self._stream
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src)``: asynchronous on the side stream for a CUDA source, else now."""
+        """``dst.copy_(src)``: on the side stream for a CUDA source, else a deferred host copy."""
         if not src.is_cuda:
-            dst.copy_(src)
+            self._host.append((dst, src))
             return
         stream = self._side_stream(src.device)
         with torch.cuda.stream(stream):
@@ -73,7 +110,8 @@ class StepCopy:
         src.record_stream(stream)
 
     def snapshot(self, src: torch.Tensor) -> torch.Tensor:
-        """A host copy of ``src`` (valid after the step's handle is waited)."""
+        """A host copy of ``src`` (valid after the step's handle is waited; a CPU source is
+        cloned now: leftovers are small and handed back as they were)."""
         src = src.detach()
         if not src.is_cuda:
             return src.clone()
@@ -83,12 +121,17 @@ class StepCopy:
 
     def finish(self) -> CopyHandle:
         """Records completion of every copy launched so far."""
+        host = None
+        if self._host:
+            host = HostCopy(self._host)
+            self._host = []
+            self.engine.remember_host(host)
         if self._stream is None:
-            return CopyHandle(None)
+            return CopyHandle(None, host)
         done = torch.cuda.Event()
         done.record(self._stream)
         self.engine.remember(self._device, done)
-        return CopyHandle(done)
+        return CopyHandle(done, host)
 
 
 class CopyEngine:
@@ -97,6 +140,8 @@ class CopyEngine:
     def __init__(self) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._last: dict[torch.device, torch.cuda.Event] = {}
+        self._last_host: list[HostCopy] = []
+        self.epoch = 0  # fences so far: a step's sources are the caller's again once it moves
 
     def side_stream(self, device: torch.device) -> torch.cuda.Stream:
         stream = self._streams.get(device)
@@ -109,12 +154,20 @@ class CopyEngine:
         if device is not None:
             self._last[device] = event
 
+    def remember_host(self, host: HostCopy) -> None:
+        self._last_host.append(host)
+
     def start(self) -> StepCopy:
         return StepCopy(self)
 
     def fence(self) -> None:
         """Makes each compute stream wait (on the device, the host does not block) for the last
-        step's copies, so the next forward cannot overwrite a buffer still being read."""
+        step's copies, and finishes its CPU copies (normally done already by the committer), so
+        the next forward cannot overwrite a buffer still being read."""
         for device, event in self._last.items():
             torch.cuda.current_stream(device).wait_event(event)
         self._last.clear()
+        for host in self._last_host:
+            host.run()
+        self._last_host.clear()
+        self.epoch += 1

@@ -123,11 +123,13 @@ class PoolWriter:
         if group[0].deferred:
             rows = group[0].rows(spec, torch.from_numpy(positions[0]))
         else:
-            rows = (
-                group[0]
-                .pages.page(spec.name, group[0].page)
-                .index_select(0, torch.from_numpy(np.concatenate(positions)))
-            )
+            page = group[0].pages.page(spec.name, group[0].page)
+            at = np.concatenate(positions)
+            first = int(at[0])
+            if int(at[-1]) - first == at.size - 1 and np.all(np.diff(at) == 1):
+                rows = page[first : first + at.size]  # every row still owned: no gather
+            else:
+                rows = page.index_select(0, torch.from_numpy(at))
         self._pool.write(spec.name, torch.from_numpy(slot_ids), rows)
         self.bytes_written[spec.name] = self.bytes_written.get(spec.name, 0) + slot_ids.size * spec.row_bytes
 
