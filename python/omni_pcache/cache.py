@@ -1,8 +1,9 @@
 """`PrefixCache`: the facade a model runner calls each step.
 
 Per step, on the engine thread: `begin_step` (before the forward) registers new requests'
-hit spans and escalates the writes of finished ones; `save` (after the forward) copies the
-step's per-token rows into a staging page (one copy per key), claims their slots in the
+hit spans, escalates the writes of finished ones and fences last step's copies; `save`
+(after the forward) launches the copy of the step's per-token rows into a staging page (one
+copy per key, see `omni_pcache.copy_engine`), claims their slots in the
 ledger under one write task per request, plans this step's hit reads, snapshots leftover mm
 and returns a step id. The committer thread writes the pool. `materialize` (any thread,
 possibly a step late) returns per request the cached prefix rows followed by this step's
@@ -199,9 +200,11 @@ class PrefixCache:
     def save(self, hidden: torch.Tensor | None, mm: dict[str, Any] | None, batch: StepBatch) -> int:
         """Saves one step's outputs and returns its step id (engine thread, after the forward).
 
-        Never waits for the copy it launches. Waits only for a free staging page when
-        ``staging_depth`` step ids are unconsumed, up to ``claim_timeout_s``. The returned id
-        must be consumed exactly once by `materialize` or `discard`.
+        Never waits for the copy it launches (a side CUDA stream, or the committer for CPU
+        tensors). ``hidden`` and ``mm`` must stay unchanged until the next `begin_step`, which
+        fences the copy; the caller may overwrite them after it. Waits only for a free staging
+        page when ``staging_depth`` step ids are unconsumed, up to ``claim_timeout_s``. The
+        returned id must be consumed exactly once by `materialize` or `discard`.
         """
         self._check_usable()
         shape = check_batch(batch, self._config)
