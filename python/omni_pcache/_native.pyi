@@ -69,6 +69,12 @@ class ReadPlan:
     sources: IndexArray
     """Per slot: SOURCE_ABSENT, SOURCE_POOL or the id of the in-transit task."""
     versions: npt.NDArray[np.uint64]
+    num_absent: int
+    """Slots never written."""
+    num_from_pool: int
+    """Slots committed in the pool."""
+    tasks: list[int]
+    """The in-transit task ids among ``sources``, ascending, each once."""
 
 class Ledger:
     """Per (slot, key) occupancy and versions, pending reads, copy-on-write lists. Any thread."""

@@ -38,6 +38,9 @@ class KeyRead:
     slots: np.ndarray
     sources: np.ndarray
     versions: np.ndarray
+    num_absent: int
+    num_from_pool: int
+    tasks: list[int]  # in-transit source tasks, each once
 
 
 @dataclass(slots=True)
@@ -86,7 +89,12 @@ class HitReader:
         reads = []
         for spec in specs:
             plan = self._ledger.plan_read(slots, spec.key_id)
-            reads.append(KeyRead(spec, plan.read_id, slots, plan.sources, plan.versions))
+            reads.append(
+                KeyRead(
+                    spec, plan.read_id, slots, plan.sources, plan.versions,
+                    plan.num_absent, plan.num_from_pool, plan.tasks,
+                )
+            )  # fmt: skip
         return HitRead(req_id, int(slots.size), reads)
 
     def release(self, hit: HitRead) -> None:
@@ -104,21 +112,15 @@ class HitReader:
         `UnservableHitError`."""
         deadline = time.monotonic() + timeout_s
         for read in hit.keys:
-            absent = np.flatnonzero(read.sources == SOURCE_ABSENT)
-            if absent.size:
+            if read.num_absent:
+                absent = np.flatnonzero(read.sources == SOURCE_ABSENT)
                 raise UnservableHitError(
                     f"request {hit.req_id!r} (step {step_id}) hits {hit.num_rows} rows of "
                     f"{read.spec.name!r}, but {absent.size} were never written (first positions "
                     f"{absent[:8].tolist()}, slots {read.slots[absent[:8]].tolist()}): the cache "
                     "does not mirror the engine's KV for these blocks"
                 )
-        in_flight = {
-            int(t)
-            for read in hit.keys
-            if read.sources.size and read.sources.max() >= 0
-            for t in np.unique(read.sources)
-            if t >= 0
-        }
+        in_flight = {t for read in hit.keys for t in read.tasks}
         # Deferred rows not yet written are served from their device clone, never waited for
         # (their write may not happen before the request finishes).
         clones = {t: record for t in in_flight if (record := self._open_deferred(t)) is not None}
@@ -161,9 +163,13 @@ class HitReader:
             if kept is not None:  # copied outside the lock
                 rows[torch.from_numpy(moved)] = torch.stack(kept)
                 preserved += int(moved.size)
-            kept_sources = np.delete(read.sources, moved)
-            in_flight_rows += int(np.count_nonzero(kept_sources >= 0))
-            from_pool += int(np.count_nonzero(kept_sources == SOURCE_POOL))
+            if moved.size:
+                kept_sources = np.delete(read.sources, moved)
+                in_flight_rows += int(np.count_nonzero(kept_sources >= 0))
+                from_pool += int(np.count_nonzero(kept_sources == SOURCE_POOL))
+            else:
+                from_pool += read.num_from_pool
+                in_flight_rows += read.slots.size - read.num_from_pool  # (none absent: checked above)
             served[read.spec.name] = rows
         return ServedRows(served, from_pool, in_flight_rows, preserved)
 

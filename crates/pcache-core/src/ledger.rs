@@ -105,6 +105,31 @@ pub struct ReadPlan {
     pub versions: Vec<u64>,
 }
 
+impl ReadPlan {
+    /// Slots never written (a read of them cannot be served).
+    pub fn num_absent(&self) -> usize {
+        self.sources.iter().filter(|&&s| s == SOURCE_ABSENT).count()
+    }
+
+    /// Slots whose rows are committed in the pool.
+    pub fn num_from_pool(&self) -> usize {
+        self.sources.iter().filter(|&&s| s == SOURCE_POOL).count()
+    }
+
+    /// The in-transit tasks the read waits for, ascending, each once.
+    pub fn tasks(&self) -> Vec<TaskId> {
+        let mut tasks: Vec<u64> = self
+            .sources
+            .iter()
+            .filter(|&&s| s >= 0)
+            .map(|&s| s as u64)
+            .collect();
+        tasks.sort_unstable();
+        tasks.dedup();
+        tasks.into_iter().map(TaskId).collect()
+    }
+}
+
 /// The task of each handle (see [`OWNER_TASK_BASE`]); entries of free handles are stale.
 #[derive(Debug, Clone, Default)]
 struct Handles {
@@ -694,6 +719,19 @@ mod tests {
         let mut l = Ledger::new(64).unwrap();
         let k = l.add_key();
         (l, k)
+    }
+
+    #[test]
+    fn a_read_plan_summarises_its_sources() {
+        let (mut l, k) = ledger_with_key();
+        l.claim(&[1i64, 2], k, T1).unwrap();
+        l.commit(T1).unwrap();
+        l.claim(&[3i64, 5], k, T2).unwrap();
+        l.claim(&[4i64], k, T1).unwrap();
+        let plan = l.plan_read(&[1i64, 2, 3, 4, 5, 9], k).unwrap();
+        assert_eq!(plan.num_absent(), 1);
+        assert_eq!(plan.num_from_pool(), 2);
+        assert_eq!(plan.tasks(), vec![T1, T2]);
     }
 
     #[test]

@@ -37,6 +37,12 @@ pub struct ReadPlan {
     sources: Py<PyArray1<i64>>,
     /// Per slot: the captured version.
     versions: Py<PyArray1<u64>>,
+    /// Slots never written.
+    num_absent: usize,
+    /// Slots committed in the pool.
+    num_from_pool: usize,
+    /// The in-transit task ids among `sources`, ascending, each once.
+    tasks: Vec<u64>,
 }
 
 /// Hands a claim's outcome to Python (one shared empty array in the common case).
@@ -178,8 +184,13 @@ impl Ledger {
         let plan = py
             .detach(|| with_slice!(view, |s| self.inner.lock().plan_read(s, KeyId(key_id))))
             .py_err()?;
+        let (num_absent, num_from_pool) = (plan.num_absent(), plan.num_from_pool());
+        let tasks = plan.tasks().into_iter().map(|t| t.0).collect();
         Ok(ReadPlan {
             read_id: plan.read.0,
+            num_absent,
+            num_from_pool,
+            tasks,
             sources: int_array(py, plan.sources),
             versions: uint_array(py, plan.versions),
         })
