@@ -362,12 +362,15 @@ class PrefixCache:
             raise self._failure
         records = [self._records[t] for t in task_ids]
         self._writer.write_batch(records)
+        by_page: dict[int, list[int]] = {}
         for record in records:
             if record.deferred:
                 record.release()
             else:
-                self._staging.release(record.page, ("task", record.task_id))
-            self._tasks.complete(record.task_id)
+                by_page.setdefault(record.page, []).append(record.task_id)
+        for page, ids in by_page.items():
+            self._staging.release_many(page, "task", ids)
+        self._tasks.complete_many(task_ids)
         with self._cond:
             for record in records:
                 record.done = True

@@ -87,49 +87,42 @@ class PoolWriter:
         gather and one scatter per key. Raises on any failure, leaving the tasks for the caller
         to fail.
         """
-        for record in records:
-            record.prepare()
-            self._tasks.copy_done(record.task_id)
+        task_ids = [record.task_id for record in records]
         groups: dict[tuple, list] = {}
         for record in records:
+            record.prepare()
             key = ("page", record.step_id) if not record.deferred else ("deferred", record.task_id)
             groups.setdefault(key, []).append(record)
+        self._tasks.copy_done_many(task_ids)
         for group in groups.values():
             for spec in group[0].keys:
                 self._scatter(spec, group)
-        for record in records:
-            self._tasks.written(record.task_id)
+        self._tasks.written_many(task_ids)
         obligations = []
         with self._cond:
+            self._ledger.commit_many(task_ids)
             for record in records:
-                self._ledger.commit(record.task_id)
-                obligations.append((record, record.obligations))
-                record.obligations = []
+                if record.obligations:
+                    obligations.append((record, record.obligations))
+                    record.obligations = []
                 record.closed = True
             self._cond.notify_all()
         for record, owed in obligations:
             self.fill_obligations(record, owed)
 
     def _scatter(self, spec: KeySpec, group: list) -> None:
-        """One gather from the group's host rows and one scatter into the pool for ``spec``."""
-        positions, slots = [], []
-        for record in group:
-            p, s = self._ledger.owned(record.task_id, spec.key_id)
-            positions.append(p + (record.start if not record.deferred else 0))
-            slots.append(s)
-        slot_ids = np.concatenate(slots)
+        """One gather from the group's host rows and one scatter into the pool for ``spec``
+        (the ledger says which rows are still owned, and whether they form one range)."""
+        offsets = [0 if record.deferred else record.start for record in group]
+        at, slot_ids, first = self._ledger.owned_many([record.task_id for record in group], spec.key_id, offsets)
         if slot_ids.size == 0:
             return
         if group[0].deferred:
-            rows = group[0].rows(spec, torch.from_numpy(positions[0]))
+            rows = group[0].rows(spec, torch.from_numpy(at))
+        elif first >= 0:  # every row still owned, in page order: no gather
+            rows = group[0].pages.page(spec.name, group[0].page)[first : first + at.size]
         else:
-            page = group[0].pages.page(spec.name, group[0].page)
-            at = np.concatenate(positions)
-            first = int(at[0])
-            if int(at[-1]) - first == at.size - 1 and np.all(np.diff(at) == 1):
-                rows = page[first : first + at.size]  # every row still owned: no gather
-            else:
-                rows = page.index_select(0, torch.from_numpy(at))
+            rows = group[0].pages.page(spec.name, group[0].page).index_select(0, torch.from_numpy(at))
         self._pool.write(spec.name, torch.from_numpy(slot_ids), rows)
         self.bytes_written[spec.name] = self.bytes_written.get(spec.name, 0) + slot_ids.size * spec.row_bytes
 

@@ -105,6 +105,16 @@ pub struct ReadPlan {
     pub versions: Vec<u64>,
 }
 
+/// `Some(first)` when `positions` are exactly `first, first + 1, ..` (a gather of them is a
+/// slice), else `None`.
+pub fn contiguous_from(positions: &[i64]) -> Option<i64> {
+    let first = *positions.first()?;
+    positions
+        .windows(2)
+        .all(|w| w[1] == w[0] + 1)
+        .then_some(first)
+}
+
 impl ReadPlan {
     /// Slots never written (a read of them cannot be served).
     pub fn num_absent(&self) -> usize {
@@ -555,6 +565,35 @@ impl Ledger {
         self.settle(task, OWNER_POOL)
     }
 
+    /// Commits several tasks in order (one writer batch), stopping at the first error.
+    /// Returns how many slots were committed in all.
+    pub fn commit_many(&mut self, tasks: &[TaskId]) -> Result<usize> {
+        tasks.iter().try_fold(0, |n, &t| Ok(n + self.commit(t)?))
+    }
+
+    /// The rows several tasks still own on `key`, for one gather and one scatter: each task's
+    /// positions shifted by its `offsets[i]` (where its rows start in a shared page) and its
+    /// slots, concatenated in task order.
+    pub fn owned_many(
+        &self,
+        tasks: &[TaskId],
+        key: KeyId,
+        offsets: &[i64],
+    ) -> Result<(Vec<i64>, Vec<i64>)> {
+        if tasks.len() != offsets.len() {
+            return Err(Error::InvalidInput {
+                what: format!("{} tasks but {} offsets", tasks.len(), offsets.len()),
+            });
+        }
+        let (mut positions, mut slots) = (Vec::new(), Vec::new());
+        for (&task, &offset) in tasks.iter().zip(offsets) {
+            let (p, s) = self.owned(task, key)?;
+            positions.extend(p.into_iter().map(|p| p + offset));
+            slots.extend(s);
+        }
+        Ok((positions, slots))
+    }
+
     /// The task failed: the slots it still owns become absent (reads of them will see that
     /// they moved). Returns how many slots were dropped.
     pub fn abandon(&mut self, task: TaskId) -> Result<usize> {
@@ -719,6 +758,29 @@ mod tests {
         let mut l = Ledger::new(64).unwrap();
         let k = l.add_key();
         (l, k)
+    }
+
+    #[test]
+    fn owned_many_concatenates_shifted_positions_and_skips_stolen_rows() {
+        let (mut l, k) = ledger_with_key();
+        l.claim(&[4i64, 5], k, T1).unwrap();
+        l.claim(&[6i64, 7], k, T2).unwrap();
+        assert_eq!(
+            l.owned_many(&[T1, T2], k, &[10, 12]).unwrap(),
+            (vec![10, 11, 12, 13], vec![4, 5, 6, 7])
+        );
+        l.claim(&[5i64], k, TaskId(3)).unwrap(); // newest tenant wins
+        let (positions, slots) = l.owned_many(&[T1, T2], k, &[10, 12]).unwrap();
+        assert_eq!(
+            (positions.clone(), slots),
+            (vec![10, 12, 13], vec![4, 6, 7])
+        );
+        assert_eq!(contiguous_from(&positions), None);
+        assert_eq!(contiguous_from(&[3, 4, 5]), Some(3));
+        assert_eq!(contiguous_from(&[]), None);
+        assert!(l.owned_many(&[T1], k, &[]).is_err());
+        assert_eq!(l.commit_many(&[T1, T2]).unwrap(), 3);
+        assert_eq!(l.num_tasks(), 1);
     }
 
     #[test]

@@ -6,7 +6,7 @@ use numpy::PyArray1;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyList, PyTuple};
 
-use crate::convert::{int_array, Indices, IndexSlice};
+use crate::convert::{int_array, IndexSlice, Indices};
 use crate::errors::{invalid_input, IntoPy};
 
 /// One block id of a list or tuple: an int (or numpy integer), never a bool.

@@ -20,6 +20,36 @@ pub enum IndexSlice<'a> {
     I32(&'a [i32]),
 }
 
+impl IndexSlice<'_> {
+    /// Number of indices.
+    pub fn len(&self) -> usize {
+        match self {
+            IndexSlice::I64(s) => s.len(),
+            IndexSlice::I32(s) => s.len(),
+        }
+    }
+}
+
+/// Lists at least this long are handled with the GIL released.
+pub const DETACH_AT: usize = 8192;
+
+/// Runs `f` with the GIL released when it loops over `n >= DETACH_AT` items, else with the GIL
+/// held. A release costs the caller more than a short call: another Python thread (the
+/// committer, the engine thread) takes the GIL and keeps it until its next release point, which
+/// can be milliseconds. No closure passed here takes the GIL, so holding it while waiting for a
+/// core mutex cannot deadlock: a mutex holder never needs the GIL.
+pub fn detach_for<T, F>(py: Python<'_>, n: usize, f: F) -> T
+where
+    F: pyo3::marker::Ungil + FnOnce() -> T,
+    T: pyo3::marker::Ungil,
+{
+    if n >= DETACH_AT {
+        py.detach(f)
+    } else {
+        f()
+    }
+}
+
 impl<'py> Indices<'py> {
     /// Accepts a 1-D numpy array of int64/int32 (or a list of ints, converted by numpy).
     /// Anything else is an `InvalidInputError` naming the argument and what was wrong.

@@ -4,7 +4,7 @@ use numpy::{PyArray2, PyArrayMethods};
 use pcache_core::{BlockHash, BlockHasher};
 use pyo3::prelude::*;
 
-use crate::convert::{with_slice, Indices};
+use crate::convert::{detach_for, with_slice, Indices};
 use crate::errors::{invalid_input, IntoPy};
 
 /// Hashes every full block of `token_ids` (int64/int32 array or list), chained from `parent`
@@ -25,15 +25,14 @@ pub fn block_hashes<'py>(
     let extra: Option<Vec<Option<&[u8]>>> = extra_keys
         .as_ref()
         .map(|e| e.iter().map(|k| k.as_deref()).collect());
-    let hashes = py
-        .detach(|| {
-            with_slice!(view, |s| hasher.hash_blocks(
-                s,
-                parent.map(BlockHash),
-                extra.as_deref()
-            ))
-        })
-        .py_err()?;
+    let hashes = detach_for(py, view.len(), || {
+        with_slice!(view, |s| hasher.hash_blocks(
+            s,
+            parent.map(BlockHash),
+            extra.as_deref()
+        ))
+    })
+    .py_err()?;
     let flat: Vec<u64> = hashes
         .iter()
         .flat_map(|h| [h.0 as u64, (h.0 >> 64) as u64])

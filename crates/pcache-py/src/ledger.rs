@@ -1,11 +1,11 @@
-//! `Ledger`: the slot/version ledger behind one mutex, taken with the GIL released.
+//! `Ledger`: the slot/version ledger behind one mutex (GIL released for long slot lists only).
 
 use numpy::PyArray1;
 use parking_lot::Mutex;
 use pcache_core::{KeyId, ReadId, TaskId};
 use pyo3::prelude::*;
 
-use crate::convert::{int_array, uint_array, with_slice, Indices};
+use crate::convert::{detach_for, int_array, uint_array, with_slice, Indices};
 use crate::errors::IntoPy;
 
 /// An int64 numpy array handed to Python.
@@ -67,7 +67,8 @@ fn outcome(py: Python<'_>, out: pcache_core::ClaimOutcome) -> ClaimOutcome {
     }
 }
 
-/// The slot/version ledger. Any thread; every call takes one short mutex with the GIL released.
+/// The slot/version ledger. Any thread; every call takes one short mutex (the GIL is released
+/// only for long slot lists, see `convert::detach_for`).
 #[pyclass(frozen, module = "omni_pcache._native")]
 pub struct Ledger {
     inner: Mutex<pcache_core::Ledger>,
@@ -98,15 +99,14 @@ impl Ledger {
     ) -> PyResult<ClaimOutcome> {
         let idx = Indices::extract(slots, "slots")?;
         let view = idx.slice();
-        let out = py
-            .detach(|| {
-                with_slice!(view, |s| self.inner.lock().claim(
-                    s,
-                    KeyId(key_id),
-                    TaskId(task_id)
-                ))
-            })
-            .py_err()?;
+        let out = detach_for(py, view.len(), || {
+            with_slice!(view, |s| self.inner.lock().claim(
+                s,
+                KeyId(key_id),
+                TaskId(task_id)
+            ))
+        })
+        .py_err()?;
         Ok(outcome(py, out))
     }
 
@@ -123,38 +123,63 @@ impl Ledger {
         let idx = Indices::extract(slots, "slots")?;
         let view = idx.slice();
         let tasks: Vec<TaskId> = task_ids.into_iter().map(TaskId).collect();
-        let out = py
-            .detach(|| {
-                with_slice!(view, |s| self.inner.lock().claim_many(
-                    s,
-                    &counts,
-                    KeyId(key_id),
-                    &tasks
-                ))
-            })
-            .py_err()?;
+        let out = detach_for(py, view.len(), || {
+            with_slice!(view, |s| self.inner.lock().claim_many(
+                s,
+                &counts,
+                KeyId(key_id),
+                &tasks
+            ))
+        })
+        .py_err()?;
         Ok(outcome(py, out))
     }
 
     /// `(positions, slots)` the task still owns on `key_id`: gather rows at `positions`,
     /// scatter them to `slots`.
     fn owned(&self, py: Python<'_>, task_id: u64, key_id: u32) -> PyResult<(IntArray, IntArray)> {
-        let (positions, slots) = py
-            .detach(|| self.inner.lock().owned(TaskId(task_id), KeyId(key_id)))
+        let (positions, slots) = self
+            .inner
+            .lock()
+            .owned(TaskId(task_id), KeyId(key_id))
             .py_err()?;
         Ok((int_array(py, positions), int_array(py, slots)))
     }
 
+    /// `(positions, slots, first)` several tasks still own on `key_id`, each task's positions
+    /// shifted by its offset, concatenated; `first` is where the positions start when they are
+    /// one contiguous range (gather with a slice), else -1.
+    fn owned_many(
+        &self,
+        py: Python<'_>,
+        task_ids: Vec<u64>,
+        key_id: u32,
+        offsets: Vec<i64>,
+    ) -> PyResult<(IntArray, IntArray, i64)> {
+        let tasks: Vec<TaskId> = task_ids.into_iter().map(TaskId).collect();
+        let (positions, slots) = self
+            .inner
+            .lock()
+            .owned_many(&tasks, KeyId(key_id), &offsets)
+            .py_err()?;
+        let first = pcache_core::ledger::contiguous_from(&positions).unwrap_or(-1);
+        Ok((int_array(py, positions), int_array(py, slots), first))
+    }
+
+    /// Commits several tasks in order, stopping at the first error. Returns slots committed.
+    fn commit_many(&self, task_ids: Vec<u64>) -> PyResult<usize> {
+        let tasks: Vec<TaskId> = task_ids.into_iter().map(TaskId).collect();
+        self.inner.lock().commit_many(&tasks).py_err()
+    }
+
     /// The task's rows landed: slots it still owns become committed. Returns how many.
-    fn commit(&self, py: Python<'_>, task_id: u64) -> PyResult<usize> {
-        py.detach(|| self.inner.lock().commit(TaskId(task_id)))
-            .py_err()
+    fn commit(&self, task_id: u64) -> PyResult<usize> {
+        self.inner.lock().commit(TaskId(task_id)).py_err()
     }
 
     /// The task failed: slots it still owns become absent. Returns how many.
-    fn abandon(&self, py: Python<'_>, task_id: u64) -> PyResult<usize> {
-        py.detach(|| self.inner.lock().abandon(TaskId(task_id)))
-            .py_err()
+    fn abandon(&self, task_id: u64) -> PyResult<usize> {
+        self.inner.lock().abandon(TaskId(task_id)).py_err()
     }
 
     /// `(sources, versions)` of `slots` now, without registering a read.
@@ -166,9 +191,10 @@ impl Ledger {
     ) -> PyResult<(IntArray, UintArray)> {
         let idx = Indices::extract(slots, "slots")?;
         let view = idx.slice();
-        let (sources, versions) = py
-            .detach(|| with_slice!(view, |s| self.inner.lock().peek(s, KeyId(key_id))))
-            .py_err()?;
+        let (sources, versions) = detach_for(py, view.len(), || {
+            with_slice!(view, |s| self.inner.lock().peek(s, KeyId(key_id)))
+        })
+        .py_err()?;
         Ok((int_array(py, sources), uint_array(py, versions)))
     }
 
@@ -181,9 +207,10 @@ impl Ledger {
     ) -> PyResult<ReadPlan> {
         let idx = Indices::extract(slots, "slots")?;
         let view = idx.slice();
-        let plan = py
-            .detach(|| with_slice!(view, |s| self.inner.lock().plan_read(s, KeyId(key_id))))
-            .py_err()?;
+        let plan = detach_for(py, view.len(), || {
+            with_slice!(view, |s| self.inner.lock().plan_read(s, KeyId(key_id)))
+        })
+        .py_err()?;
         let (num_absent, num_from_pool) = (plan.num_absent(), plan.num_from_pool());
         let tasks = plan.tasks().into_iter().map(|t| t.0).collect();
         Ok(ReadPlan {
@@ -198,16 +225,13 @@ impl Ledger {
 
     /// Positions of the read whose rows moved since it was planned.
     fn validate(&self, py: Python<'_>, read_id: u64) -> PyResult<Py<PyArray1<i64>>> {
-        let moved = py
-            .detach(|| self.inner.lock().validate(ReadId(read_id)))
-            .py_err()?;
+        let moved = self.inner.lock().validate(ReadId(read_id)).py_err()?;
         Ok(int_array(py, moved))
     }
 
     /// Releases a pending read.
-    fn release(&self, py: Python<'_>, read_id: u64) -> PyResult<()> {
-        py.detach(|| self.inner.lock().release(ReadId(read_id)))
-            .py_err()
+    fn release(&self, read_id: u64) -> PyResult<()> {
+        self.inner.lock().release(ReadId(read_id)).py_err()
     }
 
     /// Pending reads holding each slot at its current version.
@@ -219,9 +243,10 @@ impl Ledger {
     ) -> PyResult<Py<PyArray1<i64>>> {
         let idx = Indices::extract(slots, "slots")?;
         let view = idx.slice();
-        let counts = py
-            .detach(|| with_slice!(view, |s| self.inner.lock().readers(s, KeyId(key_id))))
-            .py_err()?;
+        let counts = detach_for(py, view.len(), || {
+            with_slice!(view, |s| self.inner.lock().readers(s, KeyId(key_id)))
+        })
+        .py_err()?;
         Ok(int_array(py, counts.into_iter().map(i64::from).collect()))
     }
 

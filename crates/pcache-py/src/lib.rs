@@ -1,8 +1,9 @@
 //! `omni_pcache._native`: a thin PyO3 binding of `pcache-core`.
 //!
 //! No logic lives here: each method converts its arguments to Rust first (numpy index arrays
-//! are borrowed, not copied), releases the GIL for anything that loops over slots or blocks
-//! or waits, calls the core, and maps errors in one place ([`errors`]).
+//! are borrowed, not copied), releases the GIL for waits and for loops over long slot or token
+//! lists (short calls keep it: see `convert::detach_for`), calls the core, and maps errors in
+//! one place ([`errors`]).
 
 mod block_table;
 mod convert;

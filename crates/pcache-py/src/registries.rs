@@ -117,6 +117,18 @@ impl StagingSlots {
         Ok(())
     }
 
+    /// Removes several holders of one kind from a slot; returns whether it became free.
+    fn release_many(&self, slot: usize, kind: String, ids: Vec<u64>) -> PyResult<bool> {
+        let mut free = false;
+        for id in ids {
+            free = self
+                .inner
+                .release(slot, parse_holder((kind.clone(), id))?)
+                .py_err()?;
+        }
+        Ok(free)
+    }
+
     /// Removes a holder; returns whether the slot became free.
     fn release(&self, slot: usize, holder: (String, u64)) -> PyResult<bool> {
         self.inner.release(slot, parse_holder(holder)?).py_err()

@@ -143,6 +143,21 @@ impl WriteTasks {
             .py_err()
     }
 
+    /// COPYING → HOST_READY for each task in order, stopping at the first refused transition.
+    fn copy_done_many(&self, task_ids: Vec<u64>) -> PyResult<()> {
+        task_ids.into_iter().try_for_each(|id| self.copy_done(id))
+    }
+
+    /// HOST_READY → WRITTEN for each task in order, stopping at the first refused transition.
+    fn written_many(&self, task_ids: Vec<u64>) -> PyResult<()> {
+        task_ids.into_iter().try_for_each(|id| self.written(id))
+    }
+
+    /// Publishes several WRITTEN or FAILED tasks on the completion queue, in order.
+    fn complete_many(&self, task_ids: Vec<u64>) -> PyResult<()> {
+        task_ids.into_iter().try_for_each(|id| self.complete(id))
+    }
+
     /// Any non-terminal state → FAILED.
     fn fail(&self, task_id: u64) -> PyResult<()> {
         self.table
