@@ -33,10 +33,10 @@ def run(device: str, policy=None):
             }
             batch = StepBatch([req], [count], slots_of(blocks, start, count, BS), count + 2)
             sid = cache.save(hidden, mm, batch)
-            hidden.zero_()  # the engine reuses its buffers; the cache must already hold its copy
+            cache.begin_step(StepEvents(finished=[req]))  # the fence; flushes deferred rows
+            hidden.zero_()  # the engine reuses its buffers after the fence: the cache holds its copy
             mm["ref"].zero_()
             outs.append(cache.materialize(sid, [req]))
-            cache.begin_step(StepEvents(finished=[req]))  # flushes deferred rows
             cache.flush()
         stats = cache.stats()
     return outs, stats, cache
