@@ -92,3 +92,24 @@ def test_a_materialize_waiting_on_a_write_wakes_when_it_fails() -> None:
     assert not t.is_alive(), "materialize hung on a failed write"
     assert len(errors) == 1 and isinstance(errors[0], WriteFailedError), errors
     cache.close()
+
+
+def test_a_broken_committer_thread_fails_loudly_instead_of_hanging() -> None:
+    with small_cache(claim_timeout_s=5.0) as cache:
+        tasks = cache._committer._tasks
+
+        class Broken:
+            def __getattr__(self, name):
+                return getattr(tasks, name)
+
+            def pop(self):
+                raise RuntimeError("queue corrupted")
+
+        cache._committer._tasks = Broken()
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        sid = cache.save(torch.ones(4, 2), {}, StepBatch(["a"], [4], np.arange(4)))
+        with pytest.raises(WriteFailedError, match=r"the committer thread failed: RuntimeError\('queue corrupted'\)"):
+            cache.flush()
+        with pytest.raises(WriteFailedError):
+            cache.materialize(sid, ["a"])
+        assert cache.stats().staging_holders == [[], [], []]

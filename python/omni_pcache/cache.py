@@ -377,14 +377,15 @@ class PrefixCache:
             self._cond.notify_all()
 
     def _on_write_failure(self, task_id: int, exc: BaseException) -> None:
-        """Makes the failure sticky and releases every page and waiter (committer thread)."""
+        """Makes the failure sticky and releases every page and waiter (committer thread).
+        ``task_id`` is -1 when the committer itself failed outside a write."""
         with self._cond:
             if self._failure is None:
                 record = self._records.get(task_id)
                 what = f"request {record.req_id!r}, step {record.step_id}" if record else "unknown"
+                failed = f"write task#{task_id} ({what})" if task_id >= 0 else "the committer thread"
                 err = WriteFailedError(
-                    f"write task#{task_id} ({what}) failed: {exc!r}; every later call raises this "
-                    "error: close the cache and build a new one"
+                    f"{failed} failed: {exc!r}; every later call raises this error: close the cache and build a new one"
                 )
                 err.task_id = task_id
                 err.__cause__ = exc

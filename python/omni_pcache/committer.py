@@ -7,7 +7,8 @@ engine thread then pays for pool writes).
 
 A batch that raises is reported to ``on_failure`` with its first task (which makes the cache's
 failure sticky and releases everything); the committer then keeps draining so every queued
-task is settled.
+task is settled. If the committer's own loop raises, that is reported with task id -1 and
+the thread ends: waiters get the sticky error instead of a timeout.
 """
 
 from __future__ import annotations
@@ -74,6 +75,16 @@ class Committer:
                 self._on_failure(batch[0], exc)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # the committer itself broke: fail loudly, never leave waiters hanging
+            logger.exception("omni_pcache: the committer thread failed")
+            try:
+                self._on_failure(-1, exc)
+            except BaseException:
+                logger.exception("omni_pcache: reporting the committer's failure failed")
+
+    def _loop(self) -> None:
         while True:
             self._sleeping = True
             if not self._stopping and self._tasks.num_queue_entries == 0:
