@@ -160,3 +160,16 @@ def test_closed_cache_refuses_calls_and_close_is_idempotent() -> None:
     cache.close()
     with pytest.raises(CacheClosedError):
         cache.begin_step(StepEvents())
+
+
+def test_returned_rows_are_copies_the_caller_may_write() -> None:
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1]), NewRequest("b", [2, 3])]))
+        h = torch.arange(16.0).reshape(8, 2)
+        out = cache.materialize(cache.save(h, {}, StepBatch(["a", "b"], [4, 4], np.arange(8))), ["a", "b"])
+        assert torch.equal(out.hidden["b"], h[4:])
+        out.hidden["a"].fill_(-1.0)  # misses share one copy of the step's rows, never h or staging
+        assert torch.equal(out.hidden["b"], h[4:]) and torch.equal(h, torch.arange(16.0).reshape(8, 2))
+        cache.begin_step(StepEvents(new=[NewRequest("c", [0, 1, 3], 8)], finished=["a", "b"]))
+        got = cache.materialize(cache.save(torch.ones(1, 2), {}, StepBatch(["c"], [1], np.array([12]))), ["c"])
+        assert torch.equal(got.hidden["c"], torch.cat([h, torch.ones(1, 2)]))

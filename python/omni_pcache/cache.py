@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from omni_pcache._native import Ledger, StagingSlots, StepIds, WriteTasks
@@ -465,32 +466,41 @@ class PrefixCache:
     def materialize(self, step_id: int, req_ids: Sequence[str]) -> StepOutputs:
         """Per-request outputs of step ``step_id`` (any thread, exactly once per step id).
 
-        A request with a hit gets its cached prefix rows followed by this step's rows; a miss
-        gets this step's rows. Raises `UnservableHitError` for rows that cannot be served,
-        `StepIdError` for a consumed or unknown id, `InvalidInputError` for a request that
-        was not in the step (the id is then not consumed).
+        A request with a hit gets its cached prefix rows followed by this step's rows, in
+        tensors of its own; a miss gets this step's rows, as slices of one copy per key of the
+        step's miss rows. Every returned tensor is the caller's to keep or write. Raises
+        `UnservableHitError` for rows that cannot be served, `StepIdError` for a consumed or
+        unknown id, `InvalidInputError` for a request that was not in the step (the id is then
+        not consumed).
         """
         record = self._take_step(step_id, list(req_ids))
         try:
+            in_place = self._sources_in_place(record)
+            sources = {name: self._step_rows(record, name, in_place) for name in record.keys}
+            # Hit rows first: they come from the pool, so this step's own copy (run by the
+            # committer meanwhile) is usually done by the time its rows are needed.
+            hit_out = {}
+            for req_id in req_ids:
+                hit = record.hits.get(req_id)
+                if hit is not None:
+                    hit_out[req_id] = self._serve_hit(record, req_id, hit, sources)
+            if not in_place:
+                record.handle.wait()
+            shared, where = self._miss_rows(record, [r for r in req_ids if r not in hit_out], sources)
             hidden: dict[str, Any] | None = {} if HIDDEN in record.keys else None
             mm: dict[str, dict[str, Any]] = {name: {} for name in record.keys if name != HIDDEN}
             mm.update({name: {} for name in record.leftover})
-            # Hit rows first: they come from the pool, so this step's own copy (run by the
-            # committer meanwhile) is usually done by the time its rows are needed.
-            in_place = self._sources_in_place(record)
-            planned = [(req_id, self._step_views(record, req_id, in_place)) for req_id in req_ids]
-            outputs = [(req_id, self._serve_hit(record, req_id, views)) for req_id, views in planned]
-            if not in_place:
-                record.handle.wait()
-            for (req_id, views), (_, out) in zip(planned, outputs, strict=True):
-                if out is None:  # a miss: every returned tensor is a fresh copy, made once
-                    out = {name: view.clone() for name, view in views.items()}
+            for req_id in req_ids:
+                start, count, drop = record.rows[req_id]
+                out = hit_out.get(req_id)
+                if out is not None:  # this step's rows behind the hit's
+                    for name, src in sources.items():
+                        out[name][out[name].shape[0] - (count - drop) :].copy_(src[start + drop : start + count])
                 else:
-                    for name, view in views.items():
-                        out[name][out[name].shape[0] - view.shape[0] :].copy_(view)
+                    first, stop = where[req_id]
+                    out = {name: rows[first:stop] for name, rows in shared.items()}
                 for name, value in out.items():
                     (hidden if name == HIDDEN else mm[name])[req_id] = value  # type: ignore[index]
-                start, count, _ = record.rows[req_id]
                 for name, value in record.leftover.items():
                     mm[name][req_id] = slice_leftover(value, start, start + count, record.n, record.n_padded)
             return StepOutputs(hidden, mm)
@@ -506,37 +516,63 @@ class PrefixCache:
             and record.epoch == self._copies.epoch
         )
 
-    def _step_views(self, record: StepRecord, req_id: str, in_place: bool) -> dict[str, torch.Tensor]:
-        """Views of this step's rows of ``req_id`` that it returns: the caller's tensors
-        (``in_place``), else the staging page (valid once the step's copy handle is waited),
-        or the deferred clone."""
-        start, count, drop = record.rows[req_id]
-        views = {}
-        for name in record.keys:
-            if name in record.clones:
-                views[name] = record.clones[name].rows(start + drop, start + count).cpu()
-            elif in_place:
-                views[name] = record.sources[name][start + drop : start + count]
-            else:
-                views[name] = self._pages.page(name, record.page)[start + drop : start + count]
-        return views
+    def _step_rows(self, record: StepRecord, name: str, in_place: bool) -> torch.Tensor:
+        """This step's rows ``[0, n)`` of key ``name`` (a view): the deferred clone, the caller's
+        tensor (``in_place``), else the staging page (valid once the copy handle is waited)."""
+        if name in record.clones:
+            return record.clones[name].rows(0, record.n)
+        if in_place:
+            return record.sources[name]
+        return self._pages.page(name, record.page)[: record.n]
 
-    def _serve_hit(self, record: StepRecord, req_id: str, views: dict) -> dict[str, torch.Tensor] | None:
-        """For a request with a hit: one output tensor per key with the hit's rows gathered into
-        its front (this step's rows go behind them once copied). ``None`` for a miss."""
-        hit = record.hits.get(req_id)
-        if hit is None:
-            return None
-        out = {name: torch.empty((hit.num_rows + v.shape[0], *v.shape[1:]), dtype=v.dtype) for name, v in views.items()}
-        served = self._reader.serve(
-            hit, record.step_id, self._config.claim_timeout_s, {n: o[: hit.num_rows] for n, o in out.items()}
-        )
+    @staticmethod
+    def _miss_rows(record: StepRecord, misses: list[str], sources: dict[str, torch.Tensor]):
+        """One host copy per key of the rows the misses return, in request order, and where each
+        miss's rows are in it: its tensors are slices of that copy, as a batch's rows are."""
+        runs: list[list[int]] = []
+        where: dict[str, tuple[int, int]] = {}
+        at = 0
+        for req_id in misses:
+            start, count, drop = record.rows[req_id]
+            begin, end = start + drop, start + count
+            if end > begin:
+                if runs and runs[-1][1] == begin:
+                    runs[-1][1] = end
+                else:
+                    runs.append([begin, end])
+            where[req_id] = (at, at + end - begin)
+            at += end - begin
+        if not runs:
+            return {}, where
+        if len(runs) == 1:
+            (begin, end), index = runs[0], None
+        else:
+            index = torch.from_numpy(np.concatenate([np.arange(b, e) for b, e in runs]))
+        shared = {}
+        for name, src in sources.items():
+            if index is None:
+                rows = src[begin:end]
+                shared[name] = rows.cpu() if rows.is_cuda else rows.clone()
+            else:
+                shared[name] = src.index_select(0, index.to(src.device)).cpu()
+        return shared, where
+
+    def _serve_hit(self, record: StepRecord, req_id: str, hit: HitRead, sources: dict) -> dict[str, torch.Tensor]:
+        """A hit's own output tensor per key, its rows gathered into the front (this step's rows
+        go behind them once copied)."""
+        _, count, drop = record.rows[req_id]
+        out = {
+            name: torch.empty((hit.num_rows + count - drop, *src.shape[1:]), dtype=src.dtype)
+            for name, src in sources.items()
+        }
+        into = {name: o[: hit.num_rows] for name, o in out.items()}
+        served = self._reader.serve(hit, record.step_id, self._config.claim_timeout_s, into)
         self._counters.add(
             rows_from_pool=served.from_pool, rows_in_flight=served.in_flight, rows_preserved=served.preserved
         )
         for name, rows in served.rows.items():
-            if rows.data_ptr() != out[name].data_ptr():
-                out[name][: hit.num_rows].copy_(rows)
+            if rows.data_ptr() != into[name].data_ptr():
+                into[name].copy_(rows)
         return out
 
     def discard(self, step_id: int) -> None:
