@@ -5,32 +5,22 @@
 #
 # vllm-omni is installed with --no-deps: its declared tree pulls vLLM, diffusers, onnxruntime,
 # ... and the prefix-cache modules import none of them (only torch, which is borrowed from
-# .venv with numpy and omni_pcache through a .pth file, as scripts/setup-vllm.sh does). Its
+# .venv with numpy and omni_pcache, see scripts/side-venv.sh). Its
 # package __init__ imports vLLM, so the bench loads the prefix-cache subpackage the way
 # vLLM-Omni's own unit tests do (see benches/step_overhead.py). A second run takes a second.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 venv=.venv-bench
-base_site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-
 no_deps="vllm-omni==0.30.0"
 
-if [ ! -x "$venv/bin/python" ]; then
-    echo "setup-bench: creating $venv"
-    python3 -m venv "$venv"
-fi
-site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-# addsitedir (not a plain path line) so .venv's own .pth files (the editable omni_pcache) apply.
-echo "import site; site.addsitedir('$base_site')" > "$site/zz_dotvenv.pth"
-
-stamp="$venv/.packages.sha256"
-want=$(printf '%s\n' "$no_deps" | sha256sum | cut -d' ' -f1)
-if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
+source scripts/side-venv.sh
+side_venv setup-bench "$venv"
+if side_venv_stale "$venv" "$no_deps"; then
     echo "setup-bench: installing vllm-omni 0.30.0 (--no-deps) into $venv (~8 MB, first run only)"
     # shellcheck disable=SC2086
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-warn-conflicts --no-deps $no_deps
-    echo "$want" > "$stamp"
+    side_venv_stamp "$venv"
 else
     echo "setup-bench: $venv is up to date"
 fi

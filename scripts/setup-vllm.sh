@@ -4,14 +4,12 @@
 #
 # vLLM's full dependency tree is ~9 GB (a CUDA torch among it); this installs only the small
 # set that ../shared/docs/VLLM.md found to be enough, with --no-deps, and borrows torch, numpy
-# and omni_pcache from .venv through a .pth file (a venv made from another venv's interpreter
-# with --system-site-packages sees the base Python, not .venv). vLLM's compiled *.so files are
+# and omni_pcache from .venv (scripts/side-venv.sh). vLLM's compiled *.so files are
 # deleted: these imports never load them. A second run with an unchanged list takes a second.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 venv=.venv-vllm
-base_site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
 # Installed with --no-deps: vLLM and the packages its scheduler/config/worker modules import.
 no_deps="vllm==0.33.0 aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 annotated-doc==0.0.7
@@ -25,24 +23,16 @@ typing_extensions==4.16.0 uvloop==0.23.0 xgrammar==0.2.8 yarl==1.25.1"
 # Small pure-Python packages vLLM also imports (.venv lacks them); installed with their deps.
 with_deps="pydantic regex requests PyYAML cloudpickle py-cpuinfo orjson attrs sniffio"
 
-if [ ! -x "$venv/bin/python" ]; then
-    echo "setup-vllm: creating $venv"
-    python3 -m venv "$venv"
-fi
-site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-# addsitedir (not a plain path line) so .venv's own .pth files (the editable omni_pcache) apply.
-echo "import site; site.addsitedir('$base_site')" > "$site/zz_dotvenv.pth"
-
-stamp="$venv/.packages.sha256"
-want=$(printf '%s\n%s\n' "$no_deps" "$with_deps" | sha256sum | cut -d' ' -f1)
-if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
+source scripts/side-venv.sh
+side_venv setup-vllm "$venv"
+if side_venv_stale "$venv" "$(printf '%s\n%s' "$no_deps" "$with_deps")"; then
     echo "setup-vllm: installing vLLM 0.33.0 and its import-time packages into $venv (~336 MB, first run only)"
     # shellcheck disable=SC2086
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-warn-conflicts --no-deps $no_deps
     # shellcheck disable=SC2086
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-warn-conflicts $with_deps
     find "$site/vllm" -name '*.so' -delete
-    echo "$want" > "$stamp"
+    side_venv_stamp "$venv"
 else
     echo "setup-vllm: $venv is up to date"
 fi
