@@ -167,3 +167,33 @@ def test_hash_bad_input() -> None:
         hash_blocks([1, 2, 3, 4], 2, extra_keys=[None])
     with pytest.raises(InvalidInputError, match="got dtype float32"):
         hash_blocks(np.ones(4, dtype=np.float32), 2)
+
+
+@pytest.mark.parametrize(
+    ("blocks", "message"),
+    [
+        ([0, True], "block_ids must be a list of ints, got True at position 1"),
+        ((3, 1.5), r"block_ids must be a list of ints, got 1.5 at position 1"),
+        ([0, "1"], "block_ids must be a list of ints, got '1' at position 1"),
+        ([2, 8], r"block id 8 at position 1 is out of range \[0, 8\)"),
+        (np.array([-1, 2]), r"block id -1 at position 0 is out of range \[0, 8\)"),
+        (np.array([1.0, 2.0]), "block_ids must be an int64 or int32 array, got dtype float64"),
+        (np.zeros((2, 2), dtype=np.int64), "block_ids must be a 1-D integer array"),
+    ],
+)
+def test_block_tables_refuse_what_is_not_a_list_of_block_ids(blocks, message) -> None:
+    from omni_pcache._native import block_table
+
+    with pytest.raises(InvalidInputError, match=message):
+        block_table(blocks, 8)
+
+
+def test_block_tables_accept_ints_numpy_ints_and_arrays_and_give_slots() -> None:
+    from omni_pcache._native import block_slots, block_table
+
+    for blocks in ([7, 2, 5], (7, 2, 5), [np.int64(7), 2, np.int32(5)], np.array([7, 2, 5], dtype=np.int32)):
+        table = block_table(blocks, 8)
+        assert table.dtype == np.int64 and table.tolist() == [7, 2, 5]
+    assert block_slots(table, 3, 10, 4).tolist() == [31, 8, 9, 10, 11, 20, 21]
+    with pytest.raises(InvalidInputError, match=r"positions 0..13 do not fit a table of 3 blocks of 4"):
+        block_slots(table, 0, 13, 4)
