@@ -74,11 +74,10 @@ fmt: setup
     ruff check --fix python tests benches
     ruff format python tests benches
 
-# Build what the GPU machine needs offline: the abi3 wheel and the test tools' wheels, in dist/gpu.
+# Build what the GPU machine needs offline: the abi3 wheel, in dist/gpu (its image has torch and the test tools).
 gpu-wheels: setup
     rm -rf dist/gpu && mkdir -p dist/gpu
     maturin build --release --out dist/gpu
-    pip download --quiet --dest dist/gpu --only-binary=:all: --python-version 3.12 pytest pytest-timeout hypothesis numpy rich
 
 # On a GPU machine: the cuda-marked tests and the copy benchmark, as one script (see scripts/gpu_check.sh).
 gpu-check:
