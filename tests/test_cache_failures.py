@@ -102,7 +102,7 @@ def test_a_broken_committer_thread_fails_loudly_instead_of_hanging() -> None:
             def __getattr__(self, name):
                 return getattr(tasks, name)
 
-            def pop(self):
+            def pop_many(self, max_tasks):
                 raise RuntimeError("queue corrupted")
 
         cache._committer._tasks = Broken()

@@ -152,20 +152,27 @@ class NativeMachine(RuleBasedStateMachine):
             model.escalated = True
         assert self.write_tasks.escalate(task_id) == expected
 
-    @rule()
-    def pop(self) -> None:
-        expected = None
+    def _model_pop(self) -> int | None:
+        """The model's next pop: the first still-QUEUED entry, escalated lane first."""
         for lane in ("escalated", "high", "low"):
             queue = self.m_lanes[lane]
-            while queue and expected is None:
+            while queue:
                 candidate = queue.popleft()
                 if self.m_tasks[candidate].state == "QUEUED":
-                    expected = candidate
-            if expected is not None:
-                break
-        assert self.write_tasks.pop() == expected
-        if expected is not None:
-            self.m_tasks[expected].state = "COPYING"
+                    self.m_tasks[candidate].state = "COPYING"
+                    return candidate
+        return None
+
+    @rule()
+    def pop(self) -> None:
+        assert self.write_tasks.pop() == self._model_pop()
+
+    @rule(max_tasks=st.integers(0, 4))
+    def pop_many(self, max_tasks: int) -> None:
+        expected = []
+        while len(expected) < max_tasks and (task_id := self._model_pop()) is not None:
+            expected.append(task_id)
+        assert self.write_tasks.pop_many(max_tasks) == expected
 
     @rule(task_id=tasks)
     def complete(self, task_id: int) -> None:

@@ -64,9 +64,7 @@ class Committer:
 
     def _drain(self) -> None:
         while True:
-            batch: list[int] = []
-            while len(batch) < self.max_batch and (task_id := self._tasks.pop()) is not None:
-                batch.append(task_id)
+            batch = self._tasks.pop_many(self.max_batch)
             if not batch:
                 return
             try:

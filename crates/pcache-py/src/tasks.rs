@@ -109,6 +109,15 @@ impl WriteTasks {
         self.queues.pop().map(|t| t.id().0)
     }
 
+    /// Claims up to `max` queued tasks for copying, in pop order (see `pop`); fewer when the
+    /// queues run dry.
+    fn pop_many(&self, max: usize) -> Vec<u64> {
+        std::iter::from_fn(|| self.queues.pop())
+            .take(max)
+            .map(|t| t.id().0)
+            .collect()
+    }
+
     /// QUEUED → COPYING for one specific task (its queue entry goes stale). Of several
     /// racing callers exactly one succeeds; the others get `TaskStateError`.
     fn start_copy(&self, task_id: u64) -> PyResult<()> {
