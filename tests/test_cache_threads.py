@@ -44,8 +44,10 @@ def test_the_committer_thread_writes_the_pool_and_save_does_not_wait_for_it() ->
 
 
 def recording_host_copies(monkeypatch) -> list[str]:
+    from omni_pcache import copy_engine
     from omni_pcache.copy_engine import HostCopy
 
+    monkeypatch.setattr(copy_engine, "INLINE_COPY_BYTES", 0)  # every CPU copy deferred
     names: list[str] = []
     run = HostCopy.run
 
@@ -71,6 +73,9 @@ def test_cpu_staging_copies_run_on_the_committer_not_in_save(monkeypatch) -> Non
 
 
 def test_saved_cpu_tensors_may_be_reused_after_the_next_begin_step(monkeypatch) -> None:
+    from omni_pcache import copy_engine
+
+    monkeypatch.setattr(copy_engine, "INLINE_COPY_BYTES", 0)  # every CPU copy deferred
     with small_cache() as cache:
         gate = threading.Event()
         write = cache._writer.write_batch
@@ -88,6 +93,21 @@ def test_saved_cpu_tensors_may_be_reused_after_the_next_begin_step(monkeypatch) 
         cache.begin_step(StepEvents(new=[NewRequest("b", [0, 1, 2], 8)]))
         out = cache.materialize(cache.save(torch.ones(1, 2), {}, StepBatch(["b"], [1], np.array([8]))), ["b"])
         assert torch.equal(out.hidden["b"], torch.cat([h, h, torch.ones(1, 2)]))
+
+
+def test_small_cpu_copies_are_made_in_save(monkeypatch) -> None:
+    copiers = recording_host_copies(monkeypatch)
+    from omni_pcache import copy_engine
+
+    monkeypatch.setattr(copy_engine, "INLINE_COPY_BYTES", 1024)
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        h = torch.arange(8.0).reshape(4, 2)
+        sid = cache.save(h, {}, StepBatch(["a"], [4], np.arange(4)))
+        cache.flush()
+        assert copiers == []  # no deferred copy: the 32-byte step was copied inside save
+        assert torch.equal(cache.materialize(sid, ["a"]).hidden["a"], h)
+        assert cache.stats().bytes_written == {"hidden": 32}
 
 
 def test_threaded_false_writes_inline_on_the_engine_thread() -> None:

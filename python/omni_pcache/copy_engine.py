@@ -6,6 +6,8 @@ never waited for by the engine thread.
 - CPU source: a `HostCopy`, run once by whichever thread needs the rows first: normally the
   committer (it is woken at the end of save and runs the copy while the engine thread goes
   on), else a materializing thread, else the next `CopyEngine.fence` on the engine thread.
+  A source under `INLINE_COPY_BYTES` is copied at once instead: for a small step (decode)
+  the copy costs less than handing it to another thread.
 
 Either way the tensors handed to save must stay unchanged until the next `begin_step`
 (the fence); the caller may reuse them after it.
@@ -21,6 +23,9 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
+
+INLINE_COPY_BYTES = 256 * 1024
+"""CPU sources smaller than this are copied inside save; larger ones by the committer."""
 
 
 def pinned_available() -> bool:
@@ -98,9 +103,13 @@ class StepCopy:
         return self._stream
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src)``: on the side stream for a CUDA source, else a deferred host copy."""
+        """``dst.copy_(src)``: on the side stream for a CUDA source, else a deferred host copy
+        (or now, when it is small)."""
         if not src.is_cuda:
-            self._host.append((dst, src))
+            if src.numel() * src.element_size() < INLINE_COPY_BYTES:
+                dst.copy_(src)
+            else:
+                self._host.append((dst, src))
             return
         stream = self._side_stream(src.device)
         with torch.cuda.stream(stream):
