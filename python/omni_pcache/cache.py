@@ -7,7 +7,7 @@ copy per key, see `omni_pcache.copy_engine`), claims their slots in the
 ledger under one write task per request, plans this step's hit reads, snapshots leftover mm
 and returns a step id. The committer thread writes the pool. `materialize` (any thread,
 possibly a step late) returns per request the cached prefix rows followed by this step's
-rows; `discard` consumes a step id nobody needs.
+rows (assembled by `omni_pcache.outputs`); `discard` consumes a step id nobody needs.
 
 Locks: one *ledger lock* makes ledger calls atomic with the Python bookkeeping around them
 (claims with copy-on-write obligations, commits with closing a write record, validation with
@@ -21,17 +21,15 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from omni_pcache._native import Ledger, StagingSlots, StepIds, WriteTasks
 from omni_pcache.committer import Committer
-from omni_pcache.config import HIDDEN, CacheConfig, CachePolicy
-from omni_pcache.copy_engine import CopyEngine, CopyHandle
-from omni_pcache.deferred import Clone, DeferredRecord, DeferredWrites
+from omni_pcache.config import CacheConfig, CachePolicy
+from omni_pcache.copy_engine import CopyEngine
+from omni_pcache.deferred import DeferredRecord, DeferredWrites
 from omni_pcache.delivery import DeliveryTracker
 from omni_pcache.errors import (
     CacheClosedError,
@@ -44,35 +42,15 @@ from omni_pcache.errors import (
 )
 from omni_pcache.events import StepBatch, StepEvents, StepOutputs
 from omni_pcache.keys import KeyRegistry, KeySpec
+from omni_pcache.outputs import OutputBuilder, StepRecord
 from omni_pcache.pages import StagingPages
 from omni_pcache.pool import HostPool
 from omni_pcache.preserve import PreservedRows
 from omni_pcache.reads import HitRead, HitReader
-from omni_pcache.snapshot import slice_leftover, snapshot
+from omni_pcache.snapshot import snapshot
 from omni_pcache.stats import CacheStats, Counters
 from omni_pcache.validation import check_batch, check_events
 from omni_pcache.writes import PoolWriter, WriteRecord
-
-
-@dataclass(slots=True)
-class StepRecord:
-    """What `materialize` needs of one saved step."""
-
-    step_id: int
-    page: int
-    handle: CopyHandle
-    n: int
-    n_padded: int
-    rows: dict[str, tuple[int, int, int]]  # req_id -> (first row in the page, rows, rows not returned)
-    keys: list[str]
-    hits: dict[str, HitRead]
-    leftover: dict[str, Any]
-    clones: dict[str, Clone]  # this step's rows of deferred keys
-    # The caller's CPU rows of the immediate keys, readable in place by the saving thread until
-    # the next begin_step (the copy fence `epoch`), so materialize there skips the copy wait.
-    sources: dict[str, torch.Tensor]
-    saved_by: int
-    epoch: int
 
 
 class PrefixCache:
@@ -107,6 +85,7 @@ class PrefixCache:
             self._open_deferred,
         )
         self._counters = Counters()
+        self._outputs = OutputBuilder(self._pages, self._reader, self._copies, self._counters, config.claim_timeout_s)
         self._deferred = DeferredWrites(
             config, self._tasks, lambda: self._committer.notify(1), self._counters.waited, self._failure_or_none
         )
@@ -475,105 +454,9 @@ class PrefixCache:
         """
         record = self._take_step(step_id, list(req_ids))
         try:
-            in_place = self._sources_in_place(record)
-            sources = {name: self._step_rows(record, name, in_place) for name in record.keys}
-            # Hit rows first: they come from the pool, so this step's own copy (run by the
-            # committer meanwhile) is usually done by the time its rows are needed.
-            hit_out = {}
-            for req_id in req_ids:
-                hit = record.hits.get(req_id)
-                if hit is not None:
-                    hit_out[req_id] = self._serve_hit(record, req_id, hit, sources)
-            if not in_place:
-                record.handle.wait()
-            shared, where = self._miss_rows(record, [r for r in req_ids if r not in hit_out], sources)
-            hidden: dict[str, Any] | None = {} if HIDDEN in record.keys else None
-            mm: dict[str, dict[str, Any]] = {name: {} for name in record.keys if name != HIDDEN}
-            mm.update({name: {} for name in record.leftover})
-            for req_id in req_ids:
-                start, count, drop = record.rows[req_id]
-                out = hit_out.get(req_id)
-                if out is not None:  # this step's rows behind the hit's
-                    for name, src in sources.items():
-                        out[name][out[name].shape[0] - (count - drop) :].copy_(src[start + drop : start + count])
-                else:
-                    first, stop = where[req_id]
-                    out = {name: rows[first:stop] for name, rows in shared.items()}
-                for name, value in out.items():
-                    (hidden if name == HIDDEN else mm[name])[req_id] = value  # type: ignore[index]
-                for name, value in record.leftover.items():
-                    mm[name][req_id] = slice_leftover(value, start, start + count, record.n, record.n_padded)
-            return StepOutputs(hidden, mm)
+            return self._outputs.build(record, req_ids)
         finally:
             self._finish_step(record)
-
-    def _sources_in_place(self, record: StepRecord) -> bool:
-        """Whether this step's rows may be read from the caller's CPU tensors: only on the thread
-        that saved them and before its next begin_step, when the caller may reuse them."""
-        return (
-            len(record.sources) == len(record.keys) - len(record.clones)
-            and record.saved_by == threading.get_ident()
-            and record.epoch == self._copies.epoch
-        )
-
-    def _step_rows(self, record: StepRecord, name: str, in_place: bool) -> torch.Tensor:
-        """This step's rows ``[0, n)`` of key ``name`` (a view): the deferred clone, the caller's
-        tensor (``in_place``), else the staging page (valid once the copy handle is waited)."""
-        if name in record.clones:
-            return record.clones[name].rows(0, record.n)
-        if in_place:
-            return record.sources[name]
-        return self._pages.page(name, record.page)[: record.n]
-
-    @staticmethod
-    def _miss_rows(record: StepRecord, misses: list[str], sources: dict[str, torch.Tensor]):
-        """One host copy per key of the rows the misses return, in request order, and where each
-        miss's rows are in it: its tensors are slices of that copy, as a batch's rows are."""
-        runs: list[list[int]] = []
-        where: dict[str, tuple[int, int]] = {}
-        at = 0
-        for req_id in misses:
-            start, count, drop = record.rows[req_id]
-            begin, end = start + drop, start + count
-            if end > begin:
-                if runs and runs[-1][1] == begin:
-                    runs[-1][1] = end
-                else:
-                    runs.append([begin, end])
-            where[req_id] = (at, at + end - begin)
-            at += end - begin
-        if not runs:
-            return {}, where
-        if len(runs) == 1:
-            (begin, end), index = runs[0], None
-        else:
-            index = torch.from_numpy(np.concatenate([np.arange(b, e) for b, e in runs]))
-        shared = {}
-        for name, src in sources.items():
-            if index is None:
-                rows = src[begin:end]
-                shared[name] = rows.cpu() if rows.is_cuda else rows.clone()
-            else:
-                shared[name] = src.index_select(0, index.to(src.device)).cpu()
-        return shared, where
-
-    def _serve_hit(self, record: StepRecord, req_id: str, hit: HitRead, sources: dict) -> dict[str, torch.Tensor]:
-        """A hit's own output tensor per key, its rows gathered into the front (this step's rows
-        go behind them once copied)."""
-        _, count, drop = record.rows[req_id]
-        out = {
-            name: torch.empty((hit.num_rows + count - drop, *src.shape[1:]), dtype=src.dtype)
-            for name, src in sources.items()
-        }
-        into = {name: o[: hit.num_rows] for name, o in out.items()}
-        served = self._reader.serve(hit, record.step_id, self._config.claim_timeout_s, into)
-        self._counters.add(
-            rows_from_pool=served.from_pool, rows_in_flight=served.in_flight, rows_preserved=served.preserved
-        )
-        for name, rows in served.rows.items():
-            if rows.data_ptr() != into[name].data_ptr():
-                into[name].copy_(rows)
-        return out
 
     def discard(self, step_id: int) -> None:
         """Consumes a step id whose outputs nobody needs (any thread). Writes still land."""
