@@ -1,0 +1,103 @@
+//! What ledger calls hand back: where a row is ([`Source`] and its numeric codes), what a
+//! claim found ([`ClaimOutcome`]) and a registered read ([`ReadPlan`]); plain data.
+
+use crate::ids::{ReadId, TaskId};
+
+/// `source` code in a [`ReadPlan`] for a slot with no row.
+pub const SOURCE_ABSENT: i64 = -2;
+/// `source` code in a [`ReadPlan`] for a slot whose row is in the pool.
+pub const SOURCE_POOL: i64 = -1;
+
+/// Where a slot's row is, decoded from a [`ReadPlan`] source code.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Source {
+    /// Never written, or its writer failed.
+    Absent,
+    /// Committed: the row is in the pool.
+    Pool,
+    /// In transit under this task.
+    Task(TaskId),
+}
+
+impl Source {
+    /// Decodes a source code (`-2` absent, `-1` pool, `t >= 0` task `t`).
+    pub fn decode(code: i64) -> Source {
+        match code {
+            SOURCE_ABSENT => Source::Absent,
+            SOURCE_POOL => Source::Pool,
+            t => Source::Task(TaskId(t as u64)),
+        }
+    }
+
+    /// The numeric code of this source.
+    pub fn code(self) -> i64 {
+        match self {
+            Source::Absent => SOURCE_ABSENT,
+            Source::Pool => SOURCE_POOL,
+            Source::Task(t) => t.0 as i64,
+        }
+    }
+}
+
+/// What a claim found. Slot arrays are int64, ready to index tensors.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ClaimOutcome {
+    /// Slots taken from an older in-transit task; that task skips them when it writes.
+    pub stolen_slots: Vec<i64>,
+    /// The task each stolen slot was taken from (same length as `stolen_slots`).
+    pub stolen_from: Vec<i64>,
+    /// Slots a pending read captured at their current version, which this claim moves on:
+    /// their current rows must be kept aside for that read (copy-on-write). Committed rows
+    /// are in the pool now; rows of an in-transit task are in that task's staging rows.
+    pub preserve_slots: Vec<i64>,
+    /// The version each preserved row had (what the pending read captured).
+    pub preserve_versions: Vec<u64>,
+    /// Where each preserved row is now: [`SOURCE_POOL`] or the in-transit task's id.
+    pub preserve_from: Vec<i64>,
+}
+
+/// A registered pending read: per slot, where the row was and its captured version.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadPlan {
+    /// The read's id; release it when the rows have been served.
+    pub read: ReadId,
+    /// Per slot: [`SOURCE_ABSENT`], [`SOURCE_POOL`] or the id of the in-transit task.
+    pub sources: Vec<i64>,
+    /// Per slot: the version captured.
+    pub versions: Vec<u64>,
+}
+
+/// `Some(first)` when `positions` are exactly `first, first + 1, ..` (a gather of them is a
+/// slice), else `None`.
+pub fn contiguous_from(positions: &[i64]) -> Option<i64> {
+    let first = *positions.first()?;
+    positions
+        .windows(2)
+        .all(|w| w[1] == w[0] + 1)
+        .then_some(first)
+}
+
+impl ReadPlan {
+    /// Slots never written (a read of them cannot be served).
+    pub fn num_absent(&self) -> usize {
+        self.sources.iter().filter(|&&s| s == SOURCE_ABSENT).count()
+    }
+
+    /// Slots whose rows are committed in the pool.
+    pub fn num_from_pool(&self) -> usize {
+        self.sources.iter().filter(|&&s| s == SOURCE_POOL).count()
+    }
+
+    /// The in-transit tasks the read waits for, ascending, each once.
+    pub fn tasks(&self) -> Vec<TaskId> {
+        let mut tasks: Vec<u64> = self
+            .sources
+            .iter()
+            .filter(|&&s| s >= 0)
+            .map(|&s| s as u64)
+            .collect();
+        tasks.sort_unstable();
+        tasks.dedup();
+        tasks.into_iter().map(TaskId).collect()
+    }
+}

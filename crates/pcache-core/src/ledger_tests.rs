@@ -1,0 +1,366 @@
+//! Unit tests of the ledger (`ledger.rs`), kept beside it so that file holds the ledger only.
+
+use super::*;
+
+const T1: TaskId = TaskId(1);
+const T2: TaskId = TaskId(2);
+
+fn ledger_with_key() -> (Ledger, KeyId) {
+    let mut l = Ledger::new(64).unwrap();
+    let k = l.add_key();
+    (l, k)
+}
+
+#[test]
+fn owned_many_concatenates_shifted_positions_and_skips_stolen_rows() {
+    let (mut l, k) = ledger_with_key();
+    l.claim(&[4i64, 5], k, T1).unwrap();
+    l.claim(&[6i64, 7], k, T2).unwrap();
+    assert_eq!(
+        l.owned_many(&[T1, T2], k, &[10, 12]).unwrap(),
+        (vec![10, 11, 12, 13], vec![4, 5, 6, 7])
+    );
+    l.claim(&[5i64], k, TaskId(3)).unwrap(); // newest tenant wins
+    let (positions, slots) = l.owned_many(&[T1, T2], k, &[10, 12]).unwrap();
+    assert_eq!(
+        (positions.clone(), slots),
+        (vec![10, 12, 13], vec![4, 6, 7])
+    );
+    assert_eq!(contiguous_from(&positions), None);
+    assert_eq!(contiguous_from(&[3, 4, 5]), Some(3));
+    assert_eq!(contiguous_from(&[]), None);
+    assert!(l.owned_many(&[T1], k, &[]).is_err());
+    assert_eq!(l.commit_many(&[T1, T2]).unwrap(), 3);
+    assert_eq!(l.num_tasks(), 1);
+}
+
+#[test]
+fn a_read_plan_summarises_its_sources() {
+    let (mut l, k) = ledger_with_key();
+    l.claim(&[1i64, 2], k, T1).unwrap();
+    l.commit(T1).unwrap();
+    l.claim(&[3i64, 5], k, T2).unwrap();
+    l.claim(&[4i64], k, T1).unwrap();
+    let plan = l.plan_read(&[1i64, 2, 3, 4, 5, 9], k).unwrap();
+    assert_eq!(plan.num_absent(), 1);
+    assert_eq!(plan.num_from_pool(), 2);
+    assert_eq!(plan.tasks(), vec![T1, T2]);
+}
+
+#[test]
+fn claim_then_commit_makes_rows_committed() {
+    let (mut l, k) = ledger_with_key();
+    let out = l.claim(&[4i64, 5, 6], k, T1).unwrap();
+    assert_eq!(out, ClaimOutcome::default());
+    assert_eq!(
+        l.peek(&[4i64, 5, 6, 7], k).unwrap(),
+        (vec![1, 1, 1, SOURCE_ABSENT], vec![1, 1, 1, 0])
+    );
+    assert_eq!(l.commit(T1).unwrap(), 3);
+    assert_eq!(l.peek(&[4i64], k).unwrap(), (vec![SOURCE_POOL], vec![1]));
+    assert_eq!(l.num_tasks(), 0);
+}
+
+#[test]
+fn newest_tenant_wins_over_an_older_in_transit_task() {
+    let (mut l, k) = ledger_with_key();
+    l.claim(&[1i64, 2, 3], k, T1).unwrap();
+    let out = l.claim(&[3i64, 4], k, T2).unwrap();
+    assert_eq!(out.stolen_slots, vec![3]);
+    assert_eq!(out.stolen_from, vec![1]);
+    assert_eq!(l.owned(T1, k).unwrap(), (vec![0, 1], vec![1, 2]));
+    assert_eq!(l.owned(T2, k).unwrap(), (vec![0, 1], vec![3, 4]));
+    // The older task finishing last must not take slot 3 back.
+    assert_eq!(l.commit(T2).unwrap(), 2);
+    assert_eq!(l.commit(T1).unwrap(), 2);
+    assert_eq!(l.peek(&[3i64], k).unwrap(), (vec![SOURCE_POOL], vec![2]));
+}
+
+#[test]
+fn claim_over_a_read_committed_slot_asks_for_preservation() {
+    let (mut l, k) = ledger_with_key();
+    l.claim(&[8i64, 9], k, T1).unwrap();
+    l.commit(T1).unwrap();
+    let plan = l.plan_read(&[8i64, 9], k).unwrap();
+    assert_eq!(plan.sources, vec![SOURCE_POOL, SOURCE_POOL]);
+    let out = l.claim(&[9i64, 10], k, T2).unwrap();
+    assert_eq!(out.preserve_slots, vec![9]);
+    assert_eq!(
+        (out.preserve_versions, out.preserve_from),
+        (vec![1], vec![SOURCE_POOL])
+    );
+    assert!(out.stolen_slots.is_empty());
+    assert_eq!(l.validate(plan.read).unwrap(), vec![1]);
+    // Only once: the read captured the old version, a second claim needs no copy.
+    assert!(l
+        .claim(&[9i64], k, TaskId(3))
+        .unwrap()
+        .preserve_slots
+        .is_empty());
+    l.release(plan.read).unwrap();
+    assert_eq!(l.readers(&[8i64, 9], k).unwrap(), vec![0, 0]);
+}
+
+#[test]
+fn claim_over_a_read_in_transit_slot_asks_the_old_task_to_preserve() {
+    let (mut l, k) = ledger_with_key();
+    l.claim(&[8i64, 9], k, T1).unwrap();
+    let plan = l.plan_read(&[9i64], k).unwrap();
+    assert_eq!(plan.sources, vec![1], "in transit under task#1");
+    let out = l.claim(&[9i64], k, T2).unwrap();
+    assert_eq!(out.stolen_slots, vec![9]);
+    assert_eq!(out.preserve_slots, vec![9]);
+    assert_eq!(out.preserve_versions, vec![1]);
+    assert_eq!(out.preserve_from, vec![1], "task#1 holds the captured row");
+    l.release(plan.read).unwrap();
+}
+
+#[test]
+fn claim_many_equals_one_claim_per_task_and_is_refused_as_a_whole() {
+    let (mut many, k) = ledger_with_key();
+    let (mut one, _) = ledger_with_key();
+    one.claim(&[5i64], k, TaskId(9)).unwrap();
+    many.claim(&[5i64], k, TaskId(9)).unwrap();
+    let plan = one.plan_read(&[5i64], k).unwrap();
+    many.plan_read(&[5i64], k).unwrap();
+    let slots = [0i64, 1, 2, 3, 5, 6];
+    let out = many
+        .claim_many(&slots, &[4, 0, 2], k, &[T1, TaskId(7), T2])
+        .unwrap();
+    let mut want = one.claim(&slots[..4], k, T1).unwrap();
+    let tail = one.claim(&slots[4..], k, T2).unwrap();
+    want.stolen_slots.extend(tail.stolen_slots);
+    want.stolen_from.extend(tail.stolen_from);
+    want.preserve_slots.extend(tail.preserve_slots);
+    want.preserve_versions.extend(tail.preserve_versions);
+    want.preserve_from.extend(tail.preserve_from);
+    assert_eq!(out, want);
+    assert_eq!(out.stolen_slots, vec![5]);
+    assert_eq!(many.owned(T2, k).unwrap(), one.owned(T2, k).unwrap());
+    assert_eq!(many.validate(plan.read).unwrap(), vec![0]);
+    let before = many.peek(&slots, k).unwrap();
+    let err = many
+        .claim_many(&[10i64, 11, 10], &[2, 1], k, &[TaskId(3), TaskId(4)])
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::DuplicateSlot { slot: 10, .. }),
+        "{err}"
+    );
+    assert!(matches!(
+        many.claim_many(&[10i64], &[2], k, &[TaskId(3)]),
+        Err(Error::InvalidInput { .. })
+    ));
+    assert_eq!(many.peek(&slots, k).unwrap(), before);
+    assert!(many.owned(TaskId(3), k).is_err(), "nothing was claimed");
+}
+
+#[test]
+fn released_reads_need_no_preservation() {
+    let (mut l, k) = ledger_with_key();
+    l.claim(&[0i64], k, T1).unwrap();
+    l.commit(T1).unwrap();
+    let plan = l.plan_read(&[0i64, 0], k).unwrap();
+    assert_eq!(l.readers(&[0i64], k).unwrap(), vec![2]);
+    l.release(plan.read).unwrap();
+    assert!(l.claim(&[0i64], k, T2).unwrap().preserve_slots.is_empty());
+    assert_eq!(
+        l.release(plan.read).unwrap_err(),
+        Error::UnknownRead { read: plan.read }
+    );
+}
+
+#[test]
+fn abandoned_rows_are_absent_and_reads_see_it() {
+    let (mut l, k) = ledger_with_key();
+    l.claim(&[5i64], k, T1).unwrap();
+    let plan = l.plan_read(&[5i64], k).unwrap();
+    assert_eq!(plan.sources, vec![1]);
+    assert_eq!(l.abandon(T1).unwrap(), 1);
+    assert_eq!(l.validate(plan.read).unwrap(), vec![0]);
+    assert_eq!(l.peek(&[5i64], k).unwrap().0, vec![SOURCE_ABSENT]);
+}
+
+#[test]
+fn a_task_reclaiming_its_own_slot_owns_only_the_newest_position() {
+    let (mut l, k) = ledger_with_key();
+    l.claim(&[1i64, 2], k, T1).unwrap();
+    let out = l.claim(&[2i64], k, T1).unwrap();
+    assert!(out.stolen_slots.is_empty());
+    assert_eq!(l.owned(T1, k).unwrap(), (vec![0, 2], vec![1, 2]));
+}
+
+#[test]
+fn bad_input_is_refused_and_changes_nothing() {
+    let (mut l, k) = ledger_with_key();
+    let before = l.peek(&[1i64, 2, 63], k).unwrap();
+    assert_eq!(
+        l.claim(&[1i64, -3], k, T1).unwrap_err(),
+        Error::SlotOutOfRange {
+            slot: -3,
+            position: 1,
+            num_slots: 64
+        }
+    );
+    assert_eq!(
+        l.claim(&[1i64, 64], k, T1).unwrap_err(),
+        Error::SlotOutOfRange {
+            slot: 64,
+            position: 1,
+            num_slots: 64
+        }
+    );
+    assert_eq!(
+        l.claim(&[1i64, 2, 1], k, T1).unwrap_err(),
+        Error::DuplicateSlot {
+            slot: 1,
+            first: 0,
+            second: 2
+        }
+    );
+    assert_eq!(
+        l.claim(&[1i64], KeyId(5), T1).unwrap_err(),
+        Error::UnknownKey {
+            key: KeyId(5),
+            num_keys: 1
+        }
+    );
+    assert_eq!(l.commit(T1).unwrap_err(), Error::UnknownTask { task: T1 });
+    assert_eq!(l.peek(&[1i64, 2, 63], k).unwrap(), before);
+    assert_eq!(l.num_tasks(), 0);
+    assert!(matches!(Ledger::new(0), Err(Error::InvalidConfig { .. })));
+}
+
+fn range(r: std::ops::Range<i64>) -> Vec<i64> {
+    r.collect()
+}
+
+#[test]
+fn runs_across_bitmap_words_are_checked_and_claimed_slot_by_slot() {
+    let mut l = Ledger::new(200).unwrap();
+    let k = l.add_key();
+    // Runs straddling the duplicate bitmap's word boundaries (64, 128).
+    let first: Vec<i64> = (60..140).chain(10..20).collect();
+    assert_eq!(l.claim(&first, k, T1).unwrap(), ClaimOutcome::default());
+    let dup: Vec<i64> = (0..10).chain(150..170).chain(5..8).collect();
+    assert_eq!(
+        l.claim(&dup, k, T2).unwrap_err(),
+        Error::DuplicateSlot {
+            slot: 5,
+            first: 5,
+            second: 30
+        }
+    );
+    // An out-of-range id anywhere wins over an earlier duplicate.
+    assert_eq!(
+        l.claim(&[3i64, 4, 3, 200], k, T2).unwrap_err(),
+        Error::SlotOutOfRange {
+            slot: 200,
+            position: 3,
+            num_slots: 200
+        }
+    );
+    // The refused claims left nothing behind.
+    let ok: Vec<i64> = (0..10).chain(150..170).collect();
+    assert_eq!(l.claim(&ok, k, T2).unwrap(), ClaimOutcome::default());
+    let out = l.claim(&range(100..116), k, T2).unwrap();
+    assert_eq!(out.stolen_slots, range(100..116));
+    assert_eq!(out.stolen_from, vec![1; 16]);
+    let (positions, slots) = l.owned(T1, k).unwrap();
+    let kept = |&s: &i64| !(100..116).contains(&s);
+    assert_eq!(
+        slots,
+        first.iter().copied().filter(kept).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        positions,
+        range(0..40).into_iter().chain(56..90).collect::<Vec<_>>()
+    );
+    assert_eq!(l.commit(T1).unwrap(), 74);
+    assert_eq!(l.commit(T2).unwrap(), 46);
+    let (sources, versions) = l.peek(&range(96..120), k).unwrap();
+    assert_eq!(sources, vec![SOURCE_POOL; 24]);
+    let want: Vec<u64> = (96..120)
+        .map(|s| 1 + u64::from((100..116).contains(&s)))
+        .collect();
+    assert_eq!(versions, want);
+}
+
+#[test]
+fn a_read_of_runs_at_mixed_versions_and_owners() {
+    let (mut l, k) = ledger_with_key();
+    l.claim(&range(0..16), k, T1).unwrap();
+    l.commit(T1).unwrap();
+    l.claim(&range(4..8), k, T2).unwrap();
+    l.commit(T2).unwrap();
+    l.claim(&range(12..14), k, TaskId(3)).unwrap();
+    let slots: Vec<i64> = (0..16).chain(20..22).collect();
+    let plan = l.plan_read(&slots, k).unwrap();
+    let mut sources = vec![SOURCE_POOL; 16];
+    sources[12..14].fill(3);
+    sources.extend([SOURCE_ABSENT; 2]);
+    assert_eq!(plan.sources, sources);
+    let mut versions = vec![1u64; 16];
+    versions[4..8].fill(2);
+    versions[12..14].fill(2);
+    versions.extend([0; 2]);
+    assert_eq!(plan.versions, versions);
+    assert_eq!(l.readers(&slots, k).unwrap(), vec![1; 18]);
+    let out = l.claim(&range(6..14), k, TaskId(4)).unwrap();
+    assert_eq!(out.stolen_slots, vec![12, 13]);
+    assert_eq!(out.preserve_slots, range(6..14));
+    assert_eq!(out.preserve_versions, vec![2, 2, 1, 1, 1, 1, 2, 2]);
+    assert_eq!(out.preserve_from, vec![-1, -1, -1, -1, -1, -1, 3, 3]);
+    assert_eq!(l.validate(plan.read).unwrap(), range(6..14));
+    assert_eq!(l.abandon(TaskId(3)).unwrap(), 0);
+    assert_eq!(l.abandon(TaskId(4)).unwrap(), 8);
+    assert_eq!(l.validate(plan.read).unwrap(), range(6..14));
+    l.release(plan.read).unwrap();
+    assert_eq!(l.readers(&slots, k).unwrap(), vec![0; 18]);
+}
+
+#[test]
+fn a_task_reclaiming_a_slot_stolen_from_it_owns_only_the_new_row() {
+    let (mut l, k) = ledger_with_key();
+    l.claim(&[6i64, 7], k, T1).unwrap();
+    assert_eq!(l.claim(&[6i64], k, T2).unwrap().stolen_from, vec![1]);
+    assert_eq!(l.claim(&[6i64], k, T1).unwrap().stolen_from, vec![2]);
+    assert_eq!(l.owned(T1, k).unwrap(), (vec![1, 2], vec![7, 6]));
+    assert_eq!(l.owned(T2, k).unwrap(), (vec![], vec![]));
+    assert_eq!(l.commit(T2).unwrap(), 0);
+    assert_eq!(l.commit(T1).unwrap(), 2);
+    assert_eq!(l.peek(&[6i64, 7], k).unwrap(), (vec![-1, -1], vec![3, 1]));
+}
+
+#[test]
+fn scattered_lists_work_like_lists_of_blocks() {
+    let mut l = Ledger::new(4096).unwrap();
+    let (k, scattered_key) = (l.add_key(), l.add_key());
+    // The same slots as blocks, and as one scattered list (blocks in between).
+    let blocks: Vec<i64> = (0..8).flat_map(|b| b * 400..b * 400 + 16).collect();
+    let mut scattered: Vec<i64> = (0..128).map(|i| 3000 + (i * 37) % 128 * 7).collect();
+    scattered.extend(&blocks);
+    let big = TaskId(u64::MAX / 2);
+    for (key, slots) in [(k, &blocks), (scattered_key, &scattered)] {
+        assert_eq!(l.claim(slots, key, big).unwrap(), ClaimOutcome::default());
+        let n = slots.len() as i64;
+        assert_eq!(l.owned(big, key).unwrap(), (range(0..n), slots.clone()));
+        let plan = l.plan_read(slots, key).unwrap();
+        assert_eq!(plan.sources, vec![big.0 as i64; slots.len()]);
+        let out = l.claim(slots, key, T1).unwrap();
+        assert_eq!(out.stolen_slots, *slots);
+        assert_eq!(out.preserve_slots, *slots);
+        assert_eq!(out.preserve_from, vec![big.0 as i64; slots.len()]);
+        assert_eq!(l.validate(plan.read).unwrap(), range(0..n));
+        assert_eq!(l.commit(big).unwrap(), 0);
+        assert_eq!(l.commit(T1).unwrap(), slots.len());
+        l.release(plan.read).unwrap();
+        assert_eq!(l.readers(slots, key).unwrap(), vec![0; slots.len()]);
+    }
+}
+
+#[test]
+fn int32_slots_work_like_int64() {
+    let (mut l, k) = ledger_with_key();
+    l.claim(&[3i32, 4], k, T1).unwrap();
+    assert_eq!(l.owned(T1, k).unwrap().1, vec![3, 4]);
+}
