@@ -1,7 +1,9 @@
 //! `WriteTasks`: the task table, the task state machine and the copy/completion queues.
 
 use numpy::PyArray1;
-use pcache_core::{CopyQueues, Escalation, Priority, TaskId, TaskState, TaskTable};
+use pcache_core::{
+    CopyQueues, Escalation, Priority, Snapshot, TaskId, TaskState, TaskStateCell, TaskTable,
+};
 use pyo3::prelude::*;
 
 use crate::convert::int_array;
@@ -18,6 +20,19 @@ pub struct WriteTasks {
 
 fn state_name(s: TaskState) -> &'static str {
     s.name()
+}
+
+impl WriteTasks {
+    /// Applies one named edge of the state machine to task `task_id`.
+    fn transition(
+        &self,
+        task_id: u64,
+        edge: impl FnOnce(&TaskStateCell) -> pcache_core::Result<Snapshot>,
+    ) -> PyResult<()> {
+        edge(self.table.get(TaskId(task_id)).py_err()?.state())
+            .map(drop)
+            .py_err()
+    }
 }
 
 #[pymethods]
@@ -121,35 +136,17 @@ impl WriteTasks {
     /// QUEUED → COPYING for one specific task (its queue entry goes stale). Of several
     /// racing callers exactly one succeeds; the others get `TaskStateError`.
     fn start_copy(&self, task_id: u64) -> PyResult<()> {
-        self.table
-            .get(TaskId(task_id))
-            .py_err()?
-            .state()
-            .start_copy()
-            .map(drop)
-            .py_err()
+        self.transition(task_id, TaskStateCell::start_copy)
     }
 
     /// COPYING → HOST_READY.
     fn copy_done(&self, task_id: u64) -> PyResult<()> {
-        self.table
-            .get(TaskId(task_id))
-            .py_err()?
-            .state()
-            .copy_done()
-            .map(drop)
-            .py_err()
+        self.transition(task_id, TaskStateCell::copy_done)
     }
 
     /// HOST_READY → WRITTEN.
     fn written(&self, task_id: u64) -> PyResult<()> {
-        self.table
-            .get(TaskId(task_id))
-            .py_err()?
-            .state()
-            .written()
-            .map(drop)
-            .py_err()
+        self.transition(task_id, TaskStateCell::written)
     }
 
     /// COPYING → HOST_READY for each task in order, stopping at the first refused transition.
@@ -169,13 +166,7 @@ impl WriteTasks {
 
     /// Any non-terminal state → FAILED.
     fn fail(&self, task_id: u64) -> PyResult<()> {
-        self.table
-            .get(TaskId(task_id))
-            .py_err()?
-            .state()
-            .fail()
-            .map(drop)
-            .py_err()
+        self.transition(task_id, TaskStateCell::fail)
     }
 
     /// Publishes a WRITTEN or FAILED task on the completion queue.
