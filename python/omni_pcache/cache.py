@@ -181,7 +181,8 @@ class PrefixCache:
         """Saves one step's outputs and returns its step id (engine thread, after the forward).
 
         Never waits for the copy it launches (a side CUDA stream, or the committer for CPU
-        tensors). ``hidden`` and ``mm`` must stay unchanged until the next `begin_step`, which
+        tensors of `copy_engine.INLINE_COPY_BYTES` or more; smaller ones are copied here).
+        ``hidden`` and ``mm`` must stay unchanged until the next `begin_step`, which
         fences the copy; the caller may overwrite them after it. Waits only for a free staging
         page when ``staging_depth`` step ids are unconsumed, up to ``claim_timeout_s``. The
         returned id must be consumed exactly once by `materialize` or `discard`.
