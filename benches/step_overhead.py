@@ -334,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test): width 64, short steps")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per size (default 40; quick 6)")
     parser.add_argument("--no-theirs", action="store_true", help="skip the vLLM-Omni side")
+    parser.add_argument(
+        "--sizes", type=int, nargs="+", default=None, help="step sizes in tokens (default 512 2048 8192)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "step_overhead.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -343,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         sizes, width, num_blocks, prefix_tokens, default_steps = (512, 2048, 8192), 2048, 4096, 512, 40
     num_steps = args.steps or default_steps
+    sizes = tuple(args.sizes) if args.sizes else sizes
     pc, why_missing = (None, "skipped (--no-theirs)") if args.no_theirs else import_vllm_omni_prefix_cache()
     if pc is not None and why_missing:
         print(f"step_overhead: note: {why_missing}")

@@ -104,6 +104,28 @@ def test_resume_does_not_repeat_delivered_rows() -> None:
         check(cache.materialize(step, ["a"]), "a", (2, 10, 1))
 
 
+def test_a_resumed_request_with_nothing_new_gets_empty_rows_not_a_missing_key() -> None:
+    with small_cache() as cache:
+        cache.materialize(save(cache, [("a", [0, 1, 2], 0, 10, 1)], new=[NewRequest("a", [0, 1, 2])]), ["a"])
+        # Preempted and resumed at 4, it recomputes [4, 8): all delivered already.
+        step = save(cache, [("a", [0, 5, 6], 4, 4, 2)], resumed=[ResumedRequest("a", [0, 5, 6], 4)])
+        out = cache.materialize(step, ["a"])
+        assert out.hidden["a"].shape == (0, 3) and out.hidden["a"].dtype == torch.float32
+        assert out.mm["codes"]["a"].shape == (0, 2) and out.mm["codes"]["a"].dtype == torch.int64
+
+
+def test_outputs_keep_the_order_asked_whatever_mix_of_hits_and_misses() -> None:
+    with small_cache() as cache:
+        cache.materialize(save(cache, [("a", [0, 1], 0, 8, 1)], new=[NewRequest("a", [0, 1])]), ["a"])
+        reqs = [("m1", [2], 0, 3, 2), ("h", [0, 3], 4, 2, 3), ("m2", [4], 0, 1, 4)]
+        new = [NewRequest("m1", [2]), NewRequest("h", [0, 3], 4), NewRequest("m2", [4])]
+        out = cache.materialize(save(cache, reqs, new=new), ["m2", "h", "m1"])
+        assert list(out.hidden) == ["m2", "h", "m1"] and list(out.mm["codes"]) == ["m2", "h", "m1"]
+        check(out, "h", (1, 0, 4), (3, 4, 2))
+        check(out, "m1", (2, 0, 3))
+        check(out, "m2", (4, 0, 1))
+
+
 def test_resume_reads_skipped_but_undelivered_rows_from_the_pool() -> None:
     with small_cache() as cache:
         first = save(cache, [("a", [0, 1, 2], 0, 10, 1)], new=[NewRequest("a", [0, 1, 2])])

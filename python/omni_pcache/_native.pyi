@@ -147,3 +147,7 @@ def block_table(blocks: IndexLike, num_blocks: int) -> npt.NDArray[np.int64]:
 
 def block_slots(table: IndexLike, start: int, stop: int, block_size: int) -> npt.NDArray[np.int64]:
     """Slot ids of positions ``[start, stop)`` under a checked int64 block table."""
+
+def check_slots(slots: IndexLike, num_slots: int, what: str) -> None:
+    """Raises ``InvalidInputError`` ("``what``: slot id S at position P is out of range
+    [0, N)") for the first slot outside ``[0, num_slots)``."""

@@ -11,7 +11,7 @@ Engine thread only (called from `PrefixCache.save`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,14 +28,13 @@ class KeySpec:
     row_shape: tuple[int, ...]
     dtype: torch.dtype
     key_id: int
+    row_bytes: int = field(init=False, compare=False)  # bytes of one row
 
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one row."""
+    def __post_init__(self) -> None:
         numel = 1
         for d in self.row_shape:
             numel *= d
-        return numel * self.dtype.itemsize
+        object.__setattr__(self, "row_bytes", numel * self.dtype.itemsize)
 
     def describe(self) -> str:
         return f"{self.name!r} rows {tuple(self.row_shape)} {str(self.dtype).removeprefix('torch.')}"

@@ -76,23 +76,28 @@ class OutputBuilder:
                 hit_out[req_id] = self._serve_hit(record, req_id, hit, sources)
         if not in_place:
             record.handle.wait()
-        shared, where = self._miss_rows(record, [r for r in req_ids if r not in hit_out], sources)
-        hidden: dict[str, Any] | None = {} if HIDDEN in record.keys else None
-        mm: dict[str, dict[str, Any]] = {name: {} for name in record.keys if name != HIDDEN}
-        mm.update({name: {} for name in record.leftover})
-        for req_id in req_ids:
+        misses = [r for r in req_ids if r not in hit_out]
+        shared, sizes = self._miss_rows(record, misses, sources)
+        # One split per key (a slice per request would cost a Python indexing call each).
+        miss_out = {name: torch.split_with_sizes(rows, sizes) for name, rows in shared.items()} if misses else {}
+        # Keys in the order asked, whichever path fills them.
+        hidden: dict[str, Any] | None = dict.fromkeys(req_ids) if HIDDEN in record.keys else None
+        mm: dict[str, dict[str, Any]] = {name: dict.fromkeys(req_ids) for name in record.keys if name != HIDDEN}
+        mm.update({name: dict.fromkeys(req_ids) for name in record.leftover})
+        for name, pieces in miss_out.items():
+            dest = hidden if name == HIDDEN else mm[name]
+            for req_id, piece in zip(misses, pieces, strict=True):
+                dest[req_id] = piece  # type: ignore[index]
+        for req_id, out in hit_out.items():  # this step's rows behind the hit's
             start, count, drop = record.rows[req_id]
-            out = hit_out.get(req_id)
-            if out is not None:  # this step's rows behind the hit's
-                for name, src in sources.items():
-                    out[name][out[name].shape[0] - (count - drop) :].copy_(src[start + drop : start + count])
-            else:
-                first, stop = where[req_id]
-                out = {name: rows[first:stop] for name, rows in shared.items()}
-            for name, value in out.items():
-                (hidden if name == HIDDEN else mm[name])[req_id] = value  # type: ignore[index]
-            for name, value in record.leftover.items():
-                mm[name][req_id] = slice_leftover(value, start, start + count, record.n, record.n_padded)
+            for name, src in sources.items():
+                out[name][out[name].shape[0] - (count - drop) :].copy_(src[start + drop : start + count])
+                (hidden if name == HIDDEN else mm[name])[req_id] = out[name]  # type: ignore[index]
+        if record.leftover:
+            for req_id in req_ids:
+                start, count, _ = record.rows[req_id]
+                for name, value in record.leftover.items():
+                    mm[name][req_id] = slice_leftover(value, start, start + count, record.n, record.n_padded)
         return StepOutputs(hidden, mm)
 
     def _sources_in_place(self, record: StepRecord) -> bool:
@@ -115,11 +120,10 @@ class OutputBuilder:
 
     @staticmethod
     def _miss_rows(record: StepRecord, misses: list[str], sources: dict[str, torch.Tensor]):
-        """One host copy per key of the rows the misses return, in request order, and where each
-        miss's rows are in it: its tensors are slices of that copy, as a batch's rows are."""
+        """One host copy per key of the rows the misses return, in request order, and how many
+        rows each miss has in it: its tensors are slices of that copy, as a batch's rows are."""
         runs: list[list[int]] = []
-        where: dict[str, tuple[int, int]] = {}
-        at = 0
+        sizes: list[int] = []
         for req_id in misses:
             start, count, drop = record.rows[req_id]
             begin, end = start + drop, start + count
@@ -128,10 +132,9 @@ class OutputBuilder:
                     runs[-1][1] = end
                 else:
                     runs.append([begin, end])
-            where[req_id] = (at, at + end - begin)
-            at += end - begin
-        if not runs:
-            return {}, where
+            sizes.append(max(end - begin, 0))
+        if not runs:  # every miss returns zero rows (all delivered before)
+            return {name: src.new_empty((0, *src.shape[1:]), device="cpu") for name, src in sources.items()}, sizes
         if len(runs) == 1:
             (begin, end), index = runs[0], None
         else:
@@ -143,7 +146,7 @@ class OutputBuilder:
                 shared[name] = rows.cpu() if rows.is_cuda else rows.clone()
             else:
                 shared[name] = src.index_select(0, index.to(src.device)).cpu()
-        return shared, where
+        return shared, sizes
 
     def _serve_hit(self, record: StepRecord, req_id: str, hit: HitRead, sources: dict) -> dict[str, torch.Tensor]:
         """A hit's own output tensor per key, its rows gathered into the front (this step's rows

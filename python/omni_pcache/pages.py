@@ -26,6 +26,9 @@ class StagingPages:
         self._depth = depth
         self._capacity = capacity
         self._pages: dict[str, torch.Tensor] = {}
+        # One view per page, made once: a view costs microseconds and pages are asked for
+        # several times per step on the engine thread and the committer.
+        self._views: dict[str, tuple[torch.Tensor, ...]] = {}
         self._lock = threading.Lock()
 
     def ensure(self, spec: KeySpec) -> None:
@@ -34,7 +37,8 @@ class StagingPages:
             return
         storage = empty_host((self._depth, self._capacity, *spec.row_shape), spec.dtype)
         with self._lock:
-            self._pages.setdefault(spec.name, storage)
+            storage = self._pages.setdefault(spec.name, storage)
+            self._views.setdefault(spec.name, tuple(storage.unbind(0)))
         logger.info(
             "staging for %s: %d pages x %d rows, %.1f MiB",
             spec.describe(),
@@ -45,7 +49,7 @@ class StagingPages:
 
     def page(self, key: str, page: int) -> torch.Tensor:
         """The whole page ``page`` of ``key`` (a view)."""
-        return self._pages[key][page]
+        return self._views[key][page]
 
     def nbytes(self) -> dict[str, int]:
         with self._lock:

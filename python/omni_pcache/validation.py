@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from omni_pcache._native import block_table
+from omni_pcache._native import block_table, check_slots
 from omni_pcache.config import CacheConfig
 from omni_pcache.errors import InvalidInputError
 from omni_pcache.events import NewRequest, ResumedRequest, StepBatch, StepEvents
@@ -112,9 +112,7 @@ def check_batch(batch: StepBatch, config: CacheConfig) -> BatchShape:
     if mapping.size < n:
         raise InvalidInputError(f"slot_mapping has {mapping.size} entries for {n} scheduled tokens")
     slots = np.ascontiguousarray(mapping[:n], dtype=np.int64)
-    if n and (slots.min() < 0 or slots.max() >= config.num_slots):
-        bad = int(np.flatnonzero((slots < 0) | (slots >= config.num_slots))[0])
-        raise InvalidInputError(f"slot_mapping[{bad}] = {int(slots[bad])} is out of range [0, {config.num_slots})")
+    check_slots(slots, config.num_slots, "slot_mapping")
     rows: dict[str, tuple[int, int]] = {}
     start = 0
     for req_id, count in zip(req_ids, counts, strict=True):

@@ -21,6 +21,22 @@ pub fn check_block_ids(blocks: &[i64], num_blocks: u32) -> Result<()> {
     }
 }
 
+/// Checks that every slot id is in `[0, num_slots)`; reports the first one that is not (one
+/// pass, no allocation: the engine's slot mapping is checked with it at every save).
+pub fn check_slot_ids(slots: &[i64], num_slots: u32) -> Result<()> {
+    match slots
+        .iter()
+        .position(|&s| s < 0 || s >= i64::from(num_slots))
+    {
+        None => Ok(()),
+        Some(position) => Err(Error::SlotOutOfRange {
+            slot: slots[position],
+            position,
+            num_slots,
+        }),
+    }
+}
+
 /// Slot ids of positions `start..stop` under `blocks` (already checked), in position order.
 /// Refuses a span that runs past the table or a zero block size.
 pub fn slots_of(blocks: &[i64], start: usize, stop: usize, block_size: u32) -> Result<Vec<i64>> {
@@ -64,6 +80,18 @@ mod tests {
         ));
         assert!(slots_of(&[1, 2], 5, 3, 4).is_err());
         assert!(slots_of(&[1], 0, 1, 0).is_err());
+    }
+
+    #[test]
+    fn first_out_of_range_slot_is_reported() {
+        assert!(check_slot_ids(&[], 4).is_ok());
+        assert!(check_slot_ids(&[0, 3], 4).is_ok());
+        let err = check_slot_ids(&[2, 4, -1], 4).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "slot id 4 at position 1 is out of range [0, 4)"
+        );
+        assert!(check_slot_ids(&[-1], 4).is_err());
     }
 
     #[test]

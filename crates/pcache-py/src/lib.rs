@@ -30,5 +30,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hashing::block_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(block_table::block_table, m)?)?;
     m.add_function(wrap_pyfunction!(block_table::block_slots, m)?)?;
+    m.add_function(wrap_pyfunction!(block_table::check_slots, m)?)?;
     Ok(())
 }
