@@ -304,9 +304,13 @@ def check_outputs(cache: PrefixCache, saved: SavedStep) -> int:
     return sum(e.hidden.shape[0] for e in saved.expected.values())
 
 
-def run_engine_and_late_consumer(num_steps: int, seed: int) -> tuple[PrefixCache, Counter[str]]:
+def run_engine_and_late_consumer(
+    num_steps: int, seed: int, inline_write_bytes: int = 0
+) -> tuple[PrefixCache, Counter[str]]:
     """Runs ``num_steps`` engine steps on this thread; a second thread materializes each step
-    after the next one is saved. Returns the (open) cache and the engine's counters."""
+    after the next one is saved. Returns the (open) cache and the engine's counters.
+    ``inline_write_bytes`` 0: the committer writes every step; more: small steps are written
+    inside save while the committer is idle, larger ones by it."""
     rng = random.Random(seed)
     engine = TinyEngine(rng)
     config = CacheConfig(
@@ -316,6 +320,7 @@ def run_engine_and_late_consumer(num_steps: int, seed: int) -> tuple[PrefixCache
         staging_capacity_tokens=TOKEN_BUDGET,
         claim_timeout_s=20.0,
         threaded=True,
+        inline_write_bytes=inline_write_bytes,
     )
     cache = PrefixCache(config, CachePolicy(token_keys=frozenset({"who", "codes"})))
     handoff: queue.Queue[SavedStep | None] = queue.Queue()
@@ -413,17 +418,18 @@ def _check_run(cache: PrefixCache, counts: Counter[str], num_steps: int) -> None
         cache.close()
 
 
-def test_a_one_step_late_reader_gets_every_row_of_its_own_prefix(busy_switching) -> None:
+@pytest.mark.parametrize("inline_write_bytes", [0, 2048], ids=["committer", "small-steps-in-save"])
+def test_a_one_step_late_reader_gets_every_row_of_its_own_prefix(busy_switching, inline_write_bytes: int) -> None:
     num_steps = 1000
-    cache, counts = run_engine_and_late_consumer(num_steps, seed=1234)
+    cache, counts = run_engine_and_late_consumer(num_steps, seed=1234, inline_write_bytes=inline_write_bytes)
     _check_run(cache, counts, num_steps)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [1, 2, 3, 4])
-def test_a_one_step_late_reader_soak(busy_switching, seed: int) -> None:
+@pytest.mark.parametrize(("seed", "inline_write_bytes"), [(1, 0), (2, 0), (3, 2048), (4, 2048)])
+def test_a_one_step_late_reader_soak(busy_switching, seed: int, inline_write_bytes: int) -> None:
     num_steps = 5000
-    cache, counts = run_engine_and_late_consumer(num_steps, seed=seed)
+    cache, counts = run_engine_and_late_consumer(num_steps, seed=seed, inline_write_bytes=inline_write_bytes)
     _check_run(cache, counts, num_steps)
 
 

@@ -19,7 +19,7 @@ def save_one(cache, first_slot=0, n=2):
 @pytest.mark.parametrize("threaded", [True, False])
 @pytest.mark.parametrize("where", ["pool_write", "copy_wait"])
 def test_a_failed_write_is_sticky_and_releases_everything(threaded: bool, where: str) -> None:
-    cache = small_cache(threaded=threaded, staging_depth=2, claim_timeout_s=5.0)
+    cache = small_cache(inline_write_bytes=0, threaded=threaded, staging_depth=2, claim_timeout_s=5.0)
     boom = RuntimeError("injected: disk on fire")
 
     def fail(*args, **kwargs):
@@ -51,7 +51,7 @@ def test_a_failed_write_is_sticky_and_releases_everything(threaded: bool, where:
 
 
 def test_a_save_waiting_for_a_page_wakes_when_a_write_fails() -> None:
-    cache = small_cache(staging_depth=1, claim_timeout_s=30.0)
+    cache = small_cache(inline_write_bytes=0, staging_depth=1, claim_timeout_s=30.0)
     gate = threading.Event()
     write = cache._writer.write_batch
 
@@ -72,7 +72,7 @@ def test_a_save_waiting_for_a_page_wakes_when_a_write_fails() -> None:
 
 
 def test_a_materialize_waiting_on_a_write_wakes_when_it_fails() -> None:
-    cache = small_cache(claim_timeout_s=30.0)
+    cache = small_cache(inline_write_bytes=0, claim_timeout_s=30.0)
     gate = threading.Event()
     entered = threading.Event()
 
@@ -95,7 +95,7 @@ def test_a_materialize_waiting_on_a_write_wakes_when_it_fails() -> None:
 
 
 def test_a_broken_committer_thread_fails_loudly_instead_of_hanging() -> None:
-    with small_cache(claim_timeout_s=5.0) as cache:
+    with small_cache(inline_write_bytes=0, claim_timeout_s=5.0) as cache:
         tasks = cache._committer._tasks
 
         class Broken:

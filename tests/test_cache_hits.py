@@ -114,7 +114,7 @@ def test_a_late_read_of_a_block_reused_while_its_write_was_in_flight() -> None:
     # b hits block 0 while a is computing it (same step); block 0 is reused by c before a's
     # write lands. a skips the stolen slots, so b's preserved copy must come from a's staging
     # rows, and c's rows must win in the pool.
-    with small_cache() as cache:
+    with small_cache(inline_write_bytes=0) as cache:
         gate = threading.Event()
         write = cache._writer.write_batch
 

@@ -57,6 +57,7 @@ class SavedStep:
 
 class CacheMachine(RuleBasedStateMachine):
     THREADED = False
+    INLINE_WRITE_BYTES = 0  # (threaded only) steps under this many bytes are written inside save
 
     def __init__(self) -> None:
         super().__init__()
@@ -67,6 +68,7 @@ class CacheMachine(RuleBasedStateMachine):
             staging_capacity_tokens=64,
             claim_timeout_s=10.0,
             threaded=self.THREADED,
+            inline_write_bytes=self.INLINE_WRITE_BYTES,
         )
         self.cache = PrefixCache(config, CachePolicy(token_keys=frozenset({"who"})))
         self.m_rows: dict[int, tuple[int, int]] = {}  # slot -> (writer, step) of its latest write
@@ -318,5 +320,14 @@ class ThreadedCacheMachine(CacheMachine):
     THREADED = True
 
 
+class MixedCacheMachine(CacheMachine):
+    """Threaded, with steps of under 8 rows (64 bytes each) written inside save while the
+    committer is idle, and larger ones handed to it: both writers, never at once."""
+
+    THREADED = True
+    INLINE_WRITE_BYTES = 8 * 64
+
+
 TestCacheStateMachineInline = CacheMachine.TestCase
 TestCacheStateMachineThreaded = ThreadedCacheMachine.TestCase
+TestCacheStateMachineMixed = MixedCacheMachine.TestCase

@@ -150,6 +150,8 @@ def test_bad_config_raises_config_error() -> None:
         CacheConfig(num_blocks=0, block_size=16)
     with pytest.raises(ConfigError, match="claim_timeout_s must be a finite number"):
         CacheConfig(num_blocks=1, block_size=16, claim_timeout_s=float("inf"))
+    with pytest.raises(ConfigError, match=r"inline_write_bytes must be an int >= 0, got -1"):
+        CacheConfig(num_blocks=1, block_size=16, inline_write_bytes=-1)
     with pytest.raises(ConfigError, match="config must be a CacheConfig"):
         PrefixCache({"num_blocks": 1})
 

@@ -27,7 +27,7 @@ def recording_pool_writes(cache) -> list[str]:
 
 
 def test_the_committer_thread_writes_the_pool_and_save_does_not_wait_for_it() -> None:
-    with small_cache() as cache:
+    with small_cache(inline_write_bytes=0) as cache:
         writers = recording_pool_writes(cache)
         gate = threading.Event()
         write = cache._writer.write_batch
@@ -41,6 +41,54 @@ def test_the_committer_thread_writes_the_pool_and_save_does_not_wait_for_it() ->
         gate.set()
         cache.flush()
         assert writers == ["omni-pcache-committer"]
+
+
+def test_a_small_cpu_step_is_written_inside_save_while_the_committer_is_idle() -> None:
+    with small_cache() as cache:  # default inline_write_bytes: 256 KiB
+        writers = recording_pool_writes(cache)
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        sid = cache.save(torch.ones(4, 2), {}, StepBatch(["a"], [4], np.arange(4)))
+        assert writers == ["MainThread"], "written before save returned, by the saving thread"
+        assert cache.stats().bytes_written == {"hidden": 4 * 2 * 4}
+        assert torch.equal(cache.materialize(sid, ["a"]).hidden["a"], torch.ones(4, 2))
+        cache.begin_step(StepEvents(new=[NewRequest("b", [0, 2], 4)], finished=["a"]))
+        out = cache.materialize(cache.save(torch.zeros(1, 2), {}, StepBatch(["b"], [1], np.array([8]))), ["b"])
+        assert torch.equal(out.hidden["b"], torch.cat([torch.ones(4, 2), torch.zeros(1, 2)]))
+        cache.begin_step(StepEvents(finished=["b"]))  # reaps what was written
+        assert cache.stats().tasks_live == 0
+
+
+def test_a_step_of_inline_write_bytes_or_more_goes_to_the_committer() -> None:
+    with small_cache(inline_write_bytes=4 * 2 * 4) as cache:  # exactly this step's bytes
+        writers = recording_pool_writes(cache)
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        cache.discard(cache.save(torch.ones(4, 2), {}, StepBatch(["a"], [4], np.arange(4))))
+        cache.flush()
+        assert writers == ["omni-pcache-committer"]
+
+
+def test_a_small_step_saved_while_the_committer_writes_is_handed_to_it_not_waited_for() -> None:
+    with small_cache(inline_write_bytes=64) as cache:
+        writers = recording_pool_writes(cache)
+        entered, gate = threading.Event(), threading.Event()
+        write = cache._writer.write_batch
+
+        def held(records):
+            entered.set()
+            assert gate.wait(10), "test gate never opened"
+            write(records)
+
+        cache._writer.write_batch = held
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2])]))
+        first = cache.save(torch.ones(8, 2), {}, StepBatch(["a"], [8], np.arange(8)))  # 64 bytes: committer
+        assert entered.wait(10)
+        second = cache.save(torch.zeros(1, 2), {}, StepBatch(["a"], [1], np.array([8])))  # small, committer busy
+        assert writers == [], "save returned without writing or waiting while the committer held the pool"
+        gate.set()
+        cache.flush()
+        assert writers == ["omni-pcache-committer"] * 2
+        cache.discard(first)
+        assert torch.equal(cache.materialize(second, ["a"]).hidden["a"], torch.zeros(1, 2))
 
 
 def recording_host_copies(monkeypatch) -> list[str]:
@@ -76,7 +124,7 @@ def test_saved_cpu_tensors_may_be_reused_after_the_next_begin_step(monkeypatch) 
     from omni_pcache import copy_engine
 
     monkeypatch.setattr(copy_engine, "INLINE_COPY_BYTES", 0)  # every CPU copy deferred
-    with small_cache() as cache:
+    with small_cache(inline_write_bytes=0) as cache:
         gate = threading.Event()
         write = cache._writer.write_batch
         cache._writer.write_batch = lambda records: (gate.wait(10), write(records))  # committer held back

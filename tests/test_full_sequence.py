@@ -83,7 +83,7 @@ def test_the_budget_flushes_the_oldest_deferred_request_first() -> None:
 
 
 def test_an_aborted_request_mid_write_still_lands_and_can_be_hit() -> None:
-    with small_cache() as cache:
+    with small_cache(inline_write_bytes=0) as cache:
         gate = threading.Event()
         write = cache._writer.write_batch
         cache._writer.write_batch = lambda record: (gate.wait(10), write(record))

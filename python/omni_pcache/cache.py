@@ -28,7 +28,7 @@ import torch
 from omni_pcache._native import Ledger, StagingSlots, StepIds, WriteTasks
 from omni_pcache.committer import Committer
 from omni_pcache.config import CacheConfig, CachePolicy
-from omni_pcache.copy_engine import CopyEngine
+from omni_pcache.copy_engine import CopyEngine, CopyHandle
 from omni_pcache.deferred import DeferredRecord, DeferredWrites
 from omni_pcache.delivery import DeliveryTracker
 from omni_pcache.errors import (
@@ -181,7 +181,9 @@ class PrefixCache:
         """Saves one step's outputs and returns its step id (engine thread, after the forward).
 
         Never waits for the copy it launches (a side CUDA stream, or the committer for CPU
-        tensors of `copy_engine.INLINE_COPY_BYTES` or more; smaller ones are copied here).
+        tensors of `copy_engine.INLINE_COPY_BYTES` or more; smaller ones are copied here). A
+        small all-CPU step is also written to the pool here while the committer is idle
+        (`CacheConfig.inline_write_bytes`).
         ``hidden`` and ``mm`` must stay unchanged until the next `begin_step`, which
         fences the copy; the caller may overwrite them after it. Waits only for a free staging
         page when ``staging_depth`` step ids are unconsumed, up to ``claim_timeout_s``. The
@@ -236,8 +238,21 @@ class PrefixCache:
                 sources, threading.get_ident(), self._copies.epoch,
             )  # fmt: skip
         self._tasks.enqueue_many([record.task_id for record in records])
-        self._committer.notify(len(records))
+        if self._write_here(records, shape.n, immediate, sources, handle):
+            self._committer.write_now(len(records))
+        else:
+            self._committer.notify(len(records))
         return step_id
+
+    def _write_here(self, records: list, n: int, immediate: list, sources: dict, handle: CopyHandle) -> bool:
+        """Whether save writes its step to the pool itself: a small step whose rows all came
+        from CPU tensors and are already copied (see `CacheConfig.inline_write_bytes`)."""
+        return (
+            bool(records)
+            and len(sources) == len(immediate)
+            and n * sum(spec.row_bytes for spec in immediate) < self._config.inline_write_bytes
+            and handle.done()
+        )
 
     def _claim_page(self, step_id: int) -> int:
         try:
@@ -338,7 +353,8 @@ class PrefixCache:
     # ---- committer thread --------------------------------------------------------------
 
     def _write_tasks(self, task_ids: list[int]) -> None:
-        """Writes a batch of queued tasks and releases their pages or clones (committer)."""
+        """Writes a batch of queued tasks and releases their pages or clones (the pool's writer:
+        the committer, or the engine thread in `Committer.write_now`)."""
         if self._failure is not None:
             raise self._failure
         records = [self._records[t] for t in task_ids]

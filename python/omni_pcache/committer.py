@@ -1,9 +1,12 @@
-"""The committer: the one thread that writes the pool.
+"""The committer: the thread that writes the pool.
 
 It pops write tasks from the native copy queues (escalated first, then high, then low) and
-hands what is queued, in pop order, to a write function as one batch. ``threaded=False`` runs
-the same loop inline, on the caller's thread, until the queues are empty (debugging; the
-engine thread then pays for pool writes).
+hands what is queued, in pop order, to a write function as one batch. Popping and writing
+happen under one write lock, so the pool has one writer at a time: `write_now` lets the
+engine thread write a small step itself while the committer is idle (no wake-up, no GIL
+contention), and hands it over when the committer is writing. ``threaded=False`` runs the
+same loop inline, on the caller's thread, until the queues are empty (debugging; the engine
+thread then pays for every pool write).
 
 A batch that raises is reported to ``on_failure`` with its first task (which makes the cache's
 failure sticky and releases everything); the committer then keeps draining so every queued
@@ -40,6 +43,9 @@ class Committer:
         self._on_failure = on_failure
         self._threaded = threaded
         self._wake = threading.Semaphore(0)
+        # Held while popping and writing a batch: whichever thread drains (the committer, or the
+        # engine thread in `write_now`) is the pool's only writer meanwhile, in pop order.
+        self._writing = threading.Lock()
         # Set by the committer just before it checks the queue and sleeps: a notify that finds
         # it clear skips the wake-up (tens of microseconds on the engine thread). The GIL
         # orders the two threads' flag and queue accesses, so either the committer sees the
@@ -62,7 +68,23 @@ class Committer:
         else:
             self._drain()
 
+    def write_now(self, num_tasks: int) -> None:
+        """Writes what is queued on the calling thread (engine thread, for a small step whose
+        rows are already on the host: cheaper than waking the committer, which would then
+        contend for the GIL) unless the committer is writing, in which case it is notified."""
+        if not self._threaded or not self._writing.acquire(blocking=False):
+            self.notify(num_tasks)
+            return
+        try:
+            self._drain_locked()
+        finally:
+            self._writing.release()
+
     def _drain(self) -> None:
+        with self._writing:
+            self._drain_locked()
+
+    def _drain_locked(self) -> None:
         while True:
             batch = self._tasks.pop_many(self.max_batch)
             if not batch:

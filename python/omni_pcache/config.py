@@ -25,6 +25,13 @@ class CacheConfig:
     preserved copy) before a diagnostic error. ``max_preserved_rows`` bounds the rows kept
     aside for late reads of reused blocks. ``threaded=False`` runs pool writes inline on the
     engine thread (debugging only).
+
+    ``inline_write_bytes``: a step whose rows are on the host when `PrefixCache.save` returns
+    (CPU outputs small enough to be copied inside save) and whose cached rows total fewer
+    bytes than this is written to the pool inside save when the committer is idle. On a
+    CPU-only host that is cheaper than waking the committer thread, which would then contend
+    with the engine thread for the GIL. 0 hands every step to the committer. Steps from CUDA
+    outputs always go to the committer.
     """
 
     num_blocks: int
@@ -36,6 +43,7 @@ class CacheConfig:
     copy_chunk_bytes: int = 16 * MiB
     max_preserved_rows: int = 65536
     threaded: bool = True
+    inline_write_bytes: int = 256 * 1024
 
     def __post_init__(self) -> None:
         positive = {
@@ -48,7 +56,7 @@ class CacheConfig:
         for name, value in positive.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"CacheConfig.{name} must be a positive int, got {value!r}")
-        for name in ("device_budget_bytes", "max_preserved_rows"):
+        for name in ("device_budget_bytes", "max_preserved_rows", "inline_write_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"CacheConfig.{name} must be an int >= 0, got {value!r}")

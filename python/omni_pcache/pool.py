@@ -2,7 +2,7 @@
 
 Storage for a key is allocated on its first sight (``num_slots`` rows of the key's row
 shape, pinned when CUDA is available) and its size is logged once. Rows are addressed by the
-engine's slot ids. Single writer: only the committer writes (`write`); any thread reads
+engine's slot ids. Single writer: whichever thread holds the committer's write lock writes (`write`); any thread reads
 (`read`) rows whose version the ledger vouches for.
 """
 
@@ -43,7 +43,7 @@ class HostPool:
         )
 
     def write(self, key: str, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        """Scatters ``rows`` to ``slots`` (committer thread only)."""
+        """Scatters ``rows`` to ``slots`` (the writer: the committer's write lock held)."""
         self._rows[key].index_copy_(0, slots, rows)
 
     def read(self, key: str, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -7,7 +7,8 @@ scatters the rows the task still owns into the pool (rows stolen by a newer tena
 skipped), commits them, fills the copy-on-write obligations that were registered on the task
 while it was in transit, and releases its staging page.
 
-Threads: `write` runs on the committer only (the pool's single writer). The ledger lock is
+Threads: `write_batch` runs under the committer's write lock (the pool's single writer: the
+committer thread, or the engine thread writing a small step in `Committer.write_now`). The ledger lock is
 held for the commit and for closing the record, never across the copy wait or the scatter.
 """
 
@@ -80,7 +81,7 @@ class PoolWriter:
         self.bytes_written: dict[str, int] = {}
 
     def write_batch(self, records: list) -> None:
-        """Copies the owned rows of ``records`` into the pool and commits them (committer thread).
+        """Copies the owned rows of ``records`` into the pool and commits them (the writer).
 
         Records are `WriteRecord`s or `DeferredRecord`s, each COPYING on entry and WRITTEN on
         return. Immediate records of one step share a staging page, so their rows move with one
