@@ -9,7 +9,9 @@
 
 The "off" engine hands each request its step's rows as views of the forward's output (what an
 engine without the cache delivers); the cache-on engine materializes full-sequence rows as
-usual. Runs alternate on/off ``--repeat`` times per workload; medians. One torch thread
+usual. For the cache-on runs it also reports the engine thread's time inside the cache's calls
+per step (begin_step, save, materialize). Runs alternate on/off ``--repeat`` times per
+workload; medians. One torch thread
 (``torch.set_num_threads(1)``); the cache's committer thread may use the second core.
 
 Run: ``.venv/bin/python benches/engine.py`` (``--quick``: 12 requests, one repeat). Writes
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +45,25 @@ class BenchEngine(Engine):
         if not output_cache and self.cache is not None:
             self.cache.close()
             self.cache = None
+        self.cache_seconds: dict[str, float] = {}
+        if self.cache is not None:
+            for name in ("begin_step", "save", "materialize"):
+                self._time_calls(name)
+
+    def _time_calls(self, name: str) -> None:
+        """Adds the wall time of every ``cache.<name>`` call on the engine thread to
+        ``cache_seconds[name]`` (two perf_counter reads per call)."""
+        call = getattr(self.cache, name)
+        self.cache_seconds[name] = 0.0
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.cache_seconds[name] += time.perf_counter() - start
+
+        setattr(self.cache, name, timed)
 
     def _record_reference(self, sched: Any, hidden: torch.Tensor, proj: torch.Tensor) -> None:
         row = 0
@@ -64,6 +86,7 @@ def run_once(workload: str, mode: str, num_requests: int, seed: int) -> dict[str
         "steps": result.steps,
         "tokens_computed": result.tokens_computed,
         "hit_tokens": result.hit_tokens,
+        "cache_ms_per_step": {k: v / result.steps * 1e3 for k, v in engine.cache_seconds.items()},
     }
 
 
@@ -83,6 +106,10 @@ def measure(workload: str, modes: tuple[str, ...], num_requests: int, repeat: in
             "tokens_computed": rs[0]["tokens_computed"],
             "hit_tokens": rs[0]["hit_tokens"],
         }
+        if rs[0]["cache_ms_per_step"]:  # engine-thread time inside the cache's calls
+            out[mode]["cache_ms_per_step"] = {
+                k: statistics.median(r["cache_ms_per_step"][k] for r in rs) for k in rs[0]["cache_ms_per_step"]
+            }
     on, off = out["on"], out["off"]
     out["wall_change_on_vs_off"] = on["wall_s"] / off["wall_s"] - 1
     out["tokens_saved_fraction"] = 1 - on["tokens_computed"] / off["tokens_computed"]
@@ -116,6 +143,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         if "kv_only" in row:
             line += f"; kv-only {row['kv_only']['wall_s'] * 1e3:.0f} ms ({row['wall_change_on_vs_kv_only']:+.1%} cache)"
+        per_step = row["on"].get("cache_ms_per_step", {})
+        line += (
+            "\n"
+            + " " * 9
+            + "engine thread in the cache per step: "
+            + ", ".join(f"{name} {ms:.2f} ms" for name, ms in per_step.items())
+        )
         print(line, flush=True)
     write(
         args.out,

@@ -1,5 +1,6 @@
 """Engine-thread cost of the cache on CPU: begin_step + save bookkeeping for 8 requests x 64
-tokens, and a large save against one memcpy of the same bytes.
+tokens (with the pool write on the committer, and with the default that writes a step this
+small inside save), and a large save against one memcpy of the same bytes.
 
 Run: `.venv/bin/python benches/save_overhead.py` (or `just bench-py`). Prints a table and
 writes benches/results/save_overhead.json. Medians over many steps; nothing is asserted.
@@ -8,6 +9,7 @@ writes benches/results/save_overhead.json. Medians over many steps; nothing is a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -34,15 +36,23 @@ def busy_forward(ms: float) -> None:
 
 
 def engine_thread_step_us(
-    num_reqs: int, tokens: int, width: int, dtype: torch.dtype, steps: int, forward_ms: float = 0.0
+    num_reqs: int,
+    tokens: int,
+    width: int,
+    dtype: torch.dtype,
+    steps: int,
+    forward_ms: float = 0.0,
+    inline_write_bytes: int | None = None,
 ) -> float:
     """Median µs of begin_step + save per step (materialize runs on the same thread but is not
     timed); every other step's new requests hit the previous step's blocks. ``forward_ms`` of
     torch work per step stands in for the forward pass, during which a real engine thread
-    leaves the GIL to the committer."""
+    leaves the GIL to the committer. ``inline_write_bytes``: the config's (None: default)."""
     blocks_per_req = tokens // BLOCK
     num_blocks = 4096
     config = CacheConfig(num_blocks=num_blocks, block_size=BLOCK, staging_depth=4, staging_capacity_tokens=8192)
+    if inline_write_bytes is not None:
+        config = dataclasses.replace(config, inline_write_bytes=inline_write_bytes)
     hidden = torch.randn(num_reqs * tokens, width).to(dtype)
     times = []
     with PrefixCache(config) as cache:
@@ -103,11 +113,14 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = []
-    for label, width, dtype in (
-        ("bookkeeping (width 64 fp32)", 64, torch.float32),
-        ("bf16 width 2048", 2048, torch.bfloat16),
+    for label, width, dtype, inline_write_bytes in (
+        # the committer writes the pool: what save itself costs
+        ("bookkeeping (width 64 fp32)", 64, torch.float32, 0),
+        # the default: a step this small (128 KiB) is written to the pool inside save
+        ("width 64 fp32, pool write in save", 64, torch.float32, None),
+        ("bf16 width 2048", 2048, torch.bfloat16, None),
     ):
-        us = engine_thread_step_us(8, 64, width, dtype, args.steps, args.forward_ms)
+        us = engine_thread_step_us(8, 64, width, dtype, args.steps, args.forward_ms, inline_write_bytes)
         rows.append({"case": f"8 req x 64 tok, {label}", "engine_thread_us": us})
     big_steps = max(20, args.steps // 10)
     big = engine_thread_step_us(1, 8192, 2048, torch.bfloat16, big_steps, args.forward_ms)
@@ -119,7 +132,7 @@ def main() -> None:
             if "memcpy_us" in row
             else ""
         )
-        print(f"{row['case']:<45} begin_step+save {row['engine_thread_us']:>9.1f} us{extra}")
+        print(f"{row['case']:<52} begin_step+save {row['engine_thread_us']:>9.1f} us{extra}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     machine = f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} torch thread(s)"
     args.out.write_text(json.dumps({"machine": machine, "forward_ms": args.forward_ms, "results": rows}, indent=2))

@@ -60,7 +60,9 @@ def check_events(events: StepEvents, config: CacheConfig, is_live) -> list[Sched
         for req in requests:
             if not isinstance(req, cls):
                 raise InvalidInputError(f"StepEvents.{kind} holds {cls.__name__}s, got {type(req).__name__}")
-            computed = _int(req.num_computed_tokens, f"{req.req_id!r}: num_computed_tokens")
+            computed = req.num_computed_tokens
+            if type(computed) is not int or computed < 0:  # (the message is built only when needed)
+                computed = _int(computed, f"{req.req_id!r}: num_computed_tokens")
             blocks = _block_ids(req, config.num_blocks)
             if computed > len(blocks) * config.block_size:
                 raise InvalidInputError(
