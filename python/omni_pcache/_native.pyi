@@ -148,6 +148,13 @@ def block_table(blocks: IndexLike, num_blocks: int) -> npt.NDArray[np.int64]:
 def block_slots(table: IndexLike, start: int, stop: int, block_size: int) -> npt.NDArray[np.int64]:
     """Slot ids of positions ``[start, stop)`` under a checked int64 block table."""
 
+def scatter_plan(
+    slots: IndexLike,
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """``(lengths, bounds, order)`` of the runs of consecutive ids in ``slots`` (distinct):
+    run lengths in row order, ``start, end`` of each run sorted by slot, and the row-order
+    index of each sorted run."""
+
 def check_slots(slots: IndexLike, num_slots: int, what: str) -> None:
     """Raises ``InvalidInputError`` ("``what``: slot id S at position P is out of range
     [0, N)") for the first slot outside ``[0, num_slots)``."""

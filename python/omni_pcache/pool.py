@@ -11,12 +11,19 @@ from __future__ import annotations
 import logging
 import threading
 
+import numpy as np
 import torch
 
+from omni_pcache._native import scatter_plan
 from omni_pcache.copy_engine import empty_host
 from omni_pcache.keys import KeySpec
 
 logger = logging.getLogger("omni_pcache")
+
+RUN_COPY_MIN_ROW_BYTES = 1024
+"""Rows at least this wide are written run by run (see `HostPool.write`)."""
+MIN_RUN_ROWS = 4
+"""...when the slots average at least this many per run."""
 
 
 class HostPool:
@@ -42,9 +49,21 @@ class HostPool:
             " (pinned)" if storage.is_pinned() else "",
         )
 
-    def write(self, key: str, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        """Scatters ``rows`` to ``slots`` (the writer: the committer's write lock held)."""
-        self._rows[key].index_copy_(0, slots, rows)
+    def write(self, key: str, slots: np.ndarray, rows: torch.Tensor) -> None:
+        """Scatters ``rows`` to ``slots`` (distinct int64 ids; the writer: the committer's write
+        lock held). Wide rows move one copy per run of consecutive slots (the engine's blocks):
+        torch's CPU ``index_copy_`` walks elements, several times slower than a copy for rows
+        of a KiB or more; narrow rows, or slots in runs of under 4, keep ``index_copy_``."""
+        pool = self._rows[key]
+        if rows.shape[0] and rows.numel() // rows.shape[0] * rows.element_size() >= RUN_COPY_MIN_ROW_BYTES:
+            lengths, bounds, order = scatter_plan(slots)
+            if lengths.size * MIN_RUN_ROWS <= slots.size:
+                sources = torch.split_with_sizes(rows, lengths.tolist())
+                targets = torch.tensor_split(pool, bounds.tolist())[1::2]  # every run's rows
+                for target, run in zip(targets, order.tolist(), strict=True):
+                    target.copy_(sources[run])
+                return
+        pool.index_copy_(0, torch.from_numpy(slots), rows)
 
     def read(self, key: str, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The rows at ``slots`` (any thread), into ``out`` if given (a contiguous tensor of the

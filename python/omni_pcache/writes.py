@@ -124,7 +124,7 @@ class PoolWriter:
             rows = group[0].pages.page(spec.name, group[0].page)[first : first + at.size]
         else:
             rows = group[0].pages.page(spec.name, group[0].page).index_select(0, torch.from_numpy(at))
-        self._pool.write(spec.name, torch.from_numpy(slot_ids), rows)
+        self._pool.write(spec.name, slot_ids, rows)
         self.bytes_written[spec.name] = self.bytes_written.get(spec.name, 0) + slot_ids.size * spec.row_bytes
 
     def fill_obligations(self, record, obligations: list) -> None:

@@ -11,6 +11,7 @@ mod errors;
 mod hashing;
 mod ledger;
 mod registries;
+mod scatter;
 mod tasks;
 
 use pyo3::prelude::*;
@@ -31,5 +32,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(block_table::block_table, m)?)?;
     m.add_function(wrap_pyfunction!(block_table::block_slots, m)?)?;
     m.add_function(wrap_pyfunction!(block_table::check_slots, m)?)?;
+    m.add_function(wrap_pyfunction!(scatter::scatter_plan, m)?)?;
     Ok(())
 }
