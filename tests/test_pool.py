@@ -56,4 +56,15 @@ def test_scatter_plan_sorts_runs_by_slot_and_keeps_row_order_lengths() -> None:
     assert bounds.tolist() == [0, 4, 8, 12, 20, 22]
     assert order.tolist() == [1, 0, 2]
     empty = scatter_plan(np.empty(0, dtype=np.int64))
-    assert [a.size for a in empty] == [0, 0, 0]
+    assert empty is not None and [a.size for a in empty] == [0, 0, 0]
+    assert scatter_plan(np.array([4, 5, 6, 5], dtype=np.int64)) is None, "overlapping runs have no plan"
+
+
+def test_a_slot_named_twice_is_written_like_index_copy() -> None:
+    pool = HostPool(64)
+    pool.ensure(KeySpec("k", (512,), torch.float32, 0))
+    slots = np.array([4, 5, 6, 7, 5], dtype=np.int64)
+    rows = torch.arange(5.0)[:, None].expand(5, 512).contiguous()
+    pool.write("k", slots, rows)
+    want = torch.zeros(64, 512).index_copy_(0, torch.from_numpy(slots), rows)
+    assert torch.equal(pool.read("k", torch.arange(4, 8)), want[4:8])

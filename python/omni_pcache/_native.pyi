@@ -150,10 +150,10 @@ def block_slots(table: IndexLike, start: int, stop: int, block_size: int) -> npt
 
 def scatter_plan(
     slots: IndexLike,
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """``(lengths, bounds, order)`` of the runs of consecutive ids in ``slots`` (distinct):
-    run lengths in row order, ``start, end`` of each run sorted by slot, and the row-order
-    index of each sorted run."""
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]] | None:
+    """``(lengths, bounds, order)`` of the runs of consecutive ids in ``slots``: run lengths
+    in row order, ``start, end`` of each run sorted by slot, and the row-order index of each
+    sorted run; ``None`` when a slot appears twice."""
 
 def check_slots(slots: IndexLike, num_slots: int, what: str) -> None:
     """Raises ``InvalidInputError`` ("``what``: slot id S at position P is out of range

@@ -2,8 +2,8 @@
 
 Storage for a key is allocated on its first sight (``num_slots`` rows of the key's row
 shape, pinned when CUDA is available) and its size is logged once. Rows are addressed by the
-engine's slot ids. Single writer: whichever thread holds the committer's write lock writes (`write`); any thread reads
-(`read`) rows whose version the ledger vouches for.
+engine's slot ids. Single writer: whichever thread holds the committer's write lock writes
+(`write`); any thread reads (`read`) rows whose version the ledger vouches for.
 """
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ class HostPool:
         of a KiB or more; narrow rows, or slots in runs of under 4, keep ``index_copy_``."""
         pool = self._rows[key]
         if rows.shape[0] and rows.numel() // rows.shape[0] * rows.element_size() >= RUN_COPY_MIN_ROW_BYTES:
-            lengths, bounds, order = scatter_plan(slots)
-            if lengths.size * MIN_RUN_ROWS <= slots.size:
+            plan = scatter_plan(slots)  # None: a slot named twice (not from a claim), element-wise below
+            if plan is not None and plan[0].size * MIN_RUN_ROWS <= slots.size:
+                lengths, bounds, order = plan
                 sources = torch.split_with_sizes(rows, lengths.tolist())
                 targets = torch.tensor_split(pool, bounds.tolist())[1::2]  # every run's rows
                 for target, run in zip(targets, order.tolist(), strict=True):

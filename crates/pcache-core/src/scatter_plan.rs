@@ -19,8 +19,9 @@ pub struct ScatterPlan {
 }
 
 impl ScatterPlan {
-    /// The plan for `slots` (distinct ids, as a claim guarantees; not re-checked here).
-    pub fn new(slots: &[i64]) -> Self {
+    /// The plan for `slots`, or `None` when two runs overlap (a slot named twice): the
+    /// caller then scatters element by element, where the last row for a slot wins.
+    pub fn new(slots: &[i64]) -> Option<Self> {
         let mut starts: Vec<(i64, usize)> = Vec::new(); // (first slot, run index)
         let mut lengths: Vec<i64> = Vec::new();
         for (i, &slot) in slots.iter().enumerate() {
@@ -33,18 +34,21 @@ impl ScatterPlan {
             }
         }
         starts.sort_unstable();
-        let mut bounds = Vec::with_capacity(2 * starts.len());
+        let mut bounds: Vec<i64> = Vec::with_capacity(2 * starts.len());
         let mut order = Vec::with_capacity(starts.len());
         for &(start, run) in &starts {
+            if bounds.last().is_some_and(|&end| start < end) {
+                return None;
+            }
             bounds.push(start);
             bounds.push(start + lengths[run]);
             order.push(run as i64);
         }
-        Self {
+        Some(Self {
             lengths,
             bounds,
             order,
-        }
+        })
     }
 
     /// Number of runs.
@@ -75,9 +79,9 @@ mod tests {
 
     #[test]
     fn blocks_in_request_order_become_sorted_runs() {
-        let plan = ScatterPlan::new(&[8, 9, 10, 11, 12, 13, 0, 1]);
+        let plan = ScatterPlan::new(&[8, 9, 10, 11, 12, 13, 0, 1]).unwrap();
         assert_eq!(plan.lengths, vec![6, 2]); // two blocks of 4 that touch are one run
-        let plan = ScatterPlan::new(&[8, 9, 10, 11, 0, 1, 2, 3, 20, 21]);
+        let plan = ScatterPlan::new(&[8, 9, 10, 11, 0, 1, 2, 3, 20, 21]).unwrap();
         assert_eq!(plan.lengths, vec![4, 4, 2]);
         assert_eq!(plan.bounds, vec![0, 4, 8, 12, 20, 22]);
         assert_eq!(plan.order, vec![1, 0, 2]);
@@ -91,7 +95,14 @@ mod tests {
         for (i, &s) in slots.iter().enumerate() {
             want[s as usize] = rows[i];
         }
-        assert_eq!(apply(&ScatterPlan::new(&slots), &rows, 10), want);
-        assert_eq!(ScatterPlan::new(&[]), ScatterPlan::default());
+        assert_eq!(apply(&ScatterPlan::new(&slots).unwrap(), &rows, 10), want);
+        assert_eq!(ScatterPlan::new(&[]), Some(ScatterPlan::default()));
+    }
+
+    #[test]
+    fn a_slot_named_twice_has_no_plan() {
+        assert_eq!(ScatterPlan::new(&[4, 5, 6, 5]), None); // runs 4..7 and 5..6 overlap
+        assert_eq!(ScatterPlan::new(&[3, 3]), None);
+        assert!(ScatterPlan::new(&[4, 5, 6, 7, 0, 1, 2, 3]).is_some()); // touching is fine
     }
 }
