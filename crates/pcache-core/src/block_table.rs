@@ -6,35 +6,32 @@
 
 use crate::error::{Error, Result};
 
+/// Position of the first id outside `[0, limit)`, if any (one pass, no allocation).
+fn first_out_of_range(ids: &[i64], limit: u32) -> Option<usize> {
+    ids.iter().position(|&id| id < 0 || id >= i64::from(limit))
+}
+
 /// Checks that every block id is in `[0, num_blocks)`; reports the first one that is not.
 pub fn check_block_ids(blocks: &[i64], num_blocks: u32) -> Result<()> {
-    match blocks
-        .iter()
-        .position(|&b| b < 0 || b >= i64::from(num_blocks))
-    {
-        None => Ok(()),
-        Some(position) => Err(Error::BlockOutOfRange {
+    first_out_of_range(blocks, num_blocks).map_or(Ok(()), |position| {
+        Err(Error::BlockOutOfRange {
             block: blocks[position],
             position,
             num_blocks,
-        }),
-    }
+        })
+    })
 }
 
-/// Checks that every slot id is in `[0, num_slots)`; reports the first one that is not (one
-/// pass, no allocation: the engine's slot mapping is checked with it at every save).
+/// Checks that every slot id is in `[0, num_slots)`; reports the first one that is not (the
+/// engine's slot mapping is checked with it at every save).
 pub fn check_slot_ids(slots: &[i64], num_slots: u32) -> Result<()> {
-    match slots
-        .iter()
-        .position(|&s| s < 0 || s >= i64::from(num_slots))
-    {
-        None => Ok(()),
-        Some(position) => Err(Error::SlotOutOfRange {
+    first_out_of_range(slots, num_slots).map_or(Ok(()), |position| {
+        Err(Error::SlotOutOfRange {
             slot: slots[position],
             position,
             num_slots,
-        }),
-    }
+        })
+    })
 }
 
 /// Slot ids of positions `start..stop` under `blocks` (already checked), in position order.
