@@ -16,10 +16,14 @@ def save_one(cache, first_slot=0, n=2):
     return cache.save(torch.ones(n, 2), {}, StepBatch(["a"], [n], np.arange(first_slot, first_slot + n)))
 
 
-@pytest.mark.parametrize("threaded", [True, False])
+@pytest.mark.parametrize(
+    ("threaded", "inline_write_bytes"),
+    [(True, 0), (False, 0), (True, 1 << 20)],
+    ids=["committer", "inline-mode", "written-in-save"],
+)
 @pytest.mark.parametrize("where", ["pool_write", "copy_wait"])
-def test_a_failed_write_is_sticky_and_releases_everything(threaded: bool, where: str) -> None:
-    cache = small_cache(inline_write_bytes=0, threaded=threaded, staging_depth=2, claim_timeout_s=5.0)
+def test_a_failed_write_is_sticky_and_releases_everything(threaded: bool, inline_write_bytes: int, where: str) -> None:
+    cache = small_cache(inline_write_bytes=inline_write_bytes, threaded=threaded, staging_depth=2, claim_timeout_s=5.0)
     boom = RuntimeError("injected: disk on fire")
 
     def fail(*args, **kwargs):
