@@ -91,9 +91,12 @@ class PoolWriter:
         task_ids = [record.task_id for record in records]
         groups: dict[tuple, list] = {}
         for record in records:
-            record.prepare()
             key = ("page", record.step_id) if not record.deferred else ("deferred", record.task_id)
-            groups.setdefault(key, []).append(record)
+            group = groups.get(key)
+            if group is None:  # one wait per group: a step's records share its copy handle
+                record.prepare()
+                group = groups[key] = []
+            group.append(record)
         self._tasks.copy_done_many(task_ids)
         for group in groups.values():
             for spec in group[0].keys:
