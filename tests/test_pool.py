@@ -45,9 +45,26 @@ def test_pool_writes_equal_an_indexed_scatter(row_shape: tuple[int, ...], dtype:
     assert torch.equal(pool.read("k", at), want[at])
 
 
-def test_wide_rows_take_the_run_path() -> None:
-    # (the threshold this suite relies on: bf16 x 2048 rows are 4 KiB)
-    assert 2048 * 2 >= RUN_COPY_MIN_ROW_BYTES > 16 * 4
+@pytest.mark.parametrize(
+    ("row_shape", "dtype", "planned"),
+    [((2048,), torch.bfloat16, True), ((16,), torch.float32, False)],
+    ids=["wide-rows-run-by-run", "narrow-rows-index-copy"],
+)
+def test_only_rows_of_a_kib_or_more_are_written_run_by_run(
+    monkeypatch, row_shape: tuple[int, ...], dtype: torch.dtype, planned: bool
+) -> None:
+    from omni_pcache import pool as pool_module
+
+    plans = []
+    monkeypatch.setattr(pool_module, "scatter_plan", lambda slots: plans.append(slots.size) or scatter_plan(slots))
+    pool = HostPool(256)
+    pool.ensure(KeySpec("k", row_shape, dtype, 0))
+    slots = np.arange(32, 64, dtype=np.int64)  # two whole blocks of 16
+    rows = torch.randint(-9, 9, (32, *row_shape)).to(dtype)
+    pool.write("k", slots, rows)
+    assert (plans == [32]) is planned
+    assert (row_shape[0] * dtype.itemsize >= RUN_COPY_MIN_ROW_BYTES) is planned
+    assert torch.equal(pool.read("k", torch.from_numpy(slots)), rows)
 
 
 def test_scatter_plan_sorts_runs_by_slot_and_keeps_row_order_lengths() -> None:

@@ -8,8 +8,9 @@ skipped), commits them, fills the copy-on-write obligations that were registered
 while it was in transit, and releases its staging page.
 
 Threads: `write_batch` runs under the committer's write lock (the pool's single writer: the
-committer thread, or the engine thread writing a small step in `Committer.write_now`). The ledger lock is
-held for the commit and for closing the record, never across the copy wait or the scatter.
+committer thread, or the engine thread writing a small step in `Committer.write_now`). The
+ledger lock is held for the commit and for closing the record, never across the copy wait or
+the scatter.
 """
 
 from __future__ import annotations
