@@ -175,3 +175,14 @@ def test_returned_rows_are_copies_the_caller_may_write() -> None:
         cache.begin_step(StepEvents(new=[NewRequest("c", [0, 1, 3], 8)], finished=["a", "b"]))
         got = cache.materialize(cache.save(torch.ones(1, 2), {}, StepBatch(["c"], [1], np.array([12]))), ["c"])
         assert torch.equal(got.hidden["c"], torch.cat([h, torch.ones(1, 2)]))
+
+
+def test_materialize_takes_request_ids_from_any_iterable() -> None:
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0]), NewRequest("b", [1])]))
+        h = torch.arange(16.0).reshape(8, 2)
+        sid = cache.save(h, {}, StepBatch(["a", "b"], [4, 4], np.arange(8)))
+        out = cache.materialize(sid, (r for r in ["b", "a"]))  # a one-shot generator
+        assert list(out.hidden) == ["b", "a"]
+        assert torch.equal(out.hidden["a"], h[:4]) and torch.equal(out.hidden["b"], h[4:])
+        assert cache.stats().steps_outstanding == []

@@ -312,6 +312,13 @@ def test_slot_mapping_matches_the_per_token_formula() -> None:
         assert got.dtype == np.int64 and got.tolist() == want
 
 
+def test_slot_mapping_of_a_zero_count_row_needs_no_block() -> None:
+    # Row 0 schedules nothing from position 6 with one block of 4: it touches no block, so it
+    # neither reads past its list nor shifts row 1's slots.
+    got = slot_mapping([[7], [3]], np.array([6, 0]), np.array([0, 2]), 4)
+    assert got.tolist() == [12, 13]
+
+
 def test_slot_mapping_refuses_a_short_block_list() -> None:
     with pytest.raises(InvalidInputError, match="need 3 blocks of 4 but the request has 2"):
         slot_mapping([[5, 6]], np.array([6]), np.array([4]), 4)

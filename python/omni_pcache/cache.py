@@ -469,7 +469,8 @@ class PrefixCache:
         unknown id, `InvalidInputError` for a request that was not in the step (the id is then
         not consumed).
         """
-        record = self._take_step(step_id, list(req_ids))
+        req_ids = list(req_ids)  # (an iterator would be spent by the check below)
+        record = self._take_step(step_id, req_ids)
         try:
             return self._outputs.build(record, req_ids)
         finally:

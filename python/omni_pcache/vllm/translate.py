@@ -84,7 +84,8 @@ def slot_mapping(
         if n == len(block_lists) and not (counts - 1).any():  # decode: one token per request
             flat = np.fromiter(map(getitem, block_lists, first.tolist()), dtype=np.int64, count=n)
             return flat * block_size + starts % block_size
-        touched = np.maximum((starts + counts - 1) // block_size - first + 1, 0)
+        # (a zero-count row touches no block, wherever its start falls)
+        touched = np.where(counts > 0, (starts + counts - 1) // block_size - first + 1, 0)
         stop = first + touched
         spans = zip(block_lists, first.tolist(), stop.tolist(), strict=True)
         flat = np.fromiter(
