@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -148,3 +150,65 @@ def test_padded_step_caches_only_the_scheduled_rows() -> None:
         assert torch.equal(out.hidden["b"][:4], hidden[:4])
         assert torch.equal(out.mm["codes"]["b"], torch.tensor([100, 101, 102, 103, 7, 7]))
         assert out.hidden["b"].shape == (6, 2), "never a padded or short tensor"
+
+
+class _DeviceCopies:
+    """Stands in for the side stream on CPU: leftover snapshots land only when the step's
+    handle synchronizes its device event, as CUDA snapshots do."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def synchronize(self) -> None:
+        for dst, src in self.pending:
+            dst.copy_(src)
+        self.pending.clear()
+
+    def query(self) -> bool:
+        return not self.pending
+
+
+@pytest.mark.parametrize("policy", [CachePolicy(), CachePolicy(cache_hidden=False)], ids=["hidden", "no-cached-key"])
+def test_a_device_leftover_is_read_after_its_copy_lands(monkeypatch: pytest.MonkeyPatch, policy) -> None:
+    # Materialize on the saving thread before the next begin_step reads this step's rows from the
+    # caller's CPU tensors, without waiting the step's copies; the leftover's device snapshot
+    # must be waited all the same (it was skipped when no cached key or a CPU hidden was saved).
+    from omni_pcache.copy_engine import CopyHandle, StepCopy
+
+    device = _DeviceCopies()
+
+    def snapshot(self, src):
+        dst = torch.empty_like(src)
+        device.pending.append((dst, src.clone()))
+        return dst
+
+    def finish(self):
+        return CopyHandle(device if device.pending else None, None)
+
+    monkeypatch.setattr(StepCopy, "snapshot", snapshot)
+    monkeypatch.setattr(StepCopy, "finish", finish)
+    with small_cache(policy=policy) as cache:
+        gate = threading.Event()  # the committer would wait the handle too: hold it back
+        write = cache._writer.write_batch
+        cache._writer.write_batch = lambda records: (gate.wait(10), write(records))
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        speaker = torch.arange(6.0)
+        sid = cache.save(torch.ones(4, 2), {"speaker": speaker}, StepBatch(["a"], [4], np.arange(4)))
+        out = cache.materialize(sid, ["a"])
+        gate.set()
+        assert torch.equal(out.mm["speaker"]["a"], torch.arange(6.0))
+        assert not device.pending
+
+
+def test_a_leftover_that_cannot_be_copied_fails_the_save_and_holds_nothing() -> None:
+    with small_cache(staging_depth=1, claim_timeout_s=0.2) as cache:
+        for step in range(3):  # one staging page: a leaked hold would time the next save out
+            cache.begin_step(StepEvents(new=[NewRequest(f"r{step}", [step])]))
+            batch = StepBatch([f"r{step}"], [4], slots_of([step], 0, 4, BS))
+            with pytest.raises(TypeError, match="lock"):
+                cache.save(torch.zeros(4, 2), {"handle": threading.Lock()}, batch)
+            stats = cache.stats()
+            assert stats.steps_outstanding == [] and stats.staging_holders == [[]] and stats.tasks_live == 0
+        cache.begin_step(StepEvents(new=[NewRequest("ok", [5])]))
+        sid = cache.save(torch.ones(4, 2), {}, StepBatch(["ok"], [4], slots_of([5], 0, 4, BS)))
+        assert torch.equal(cache.materialize(sid, ["ok"]).hidden["ok"], torch.ones(4, 2))

@@ -4,6 +4,7 @@ waits for its copies; inline mode for debugging; stats and the host footprint.""
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 
 import numpy as np
@@ -203,3 +204,45 @@ def test_pool_storage_is_allocated_on_first_sight_and_logged_once(caplog: pytest
         "host pool for 'hidden' rows (5,) float32: 32 slots, 0.0 MiB",
         "host pool for 'audio' rows (4, 2) bfloat16: 32 slots, 0.0 MiB",
     ]
+
+
+@pytest.fixture
+def frequent_thread_switches():
+    """Switches Python threads as often as the interpreter allows, for the test's duration."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(before)
+
+
+def test_flush_on_another_thread_while_the_engine_thread_steps(frequent_thread_switches) -> None:
+    # begin_step forgets written tasks while flush() on another thread scans them: both under
+    # the ledger lock (a scan used to meet "dictionary changed size during iteration").
+    errors: list[BaseException] = []
+    done = threading.Event()
+    per_step = 60
+    with small_cache(num_blocks=per_step, staging_capacity_tokens=4 * per_step, inline_write_bytes=0) as cache:
+
+        def flusher() -> None:
+            while not done.is_set():
+                try:
+                    cache.flush()
+                except BaseException as exc:  # reported by the assert below
+                    errors.append(exc)
+                    return
+
+        thread = threading.Thread(target=flusher)
+        thread.start()
+        try:
+            for step in range(150):
+                ids = [f"s{step}r{i}" for i in range(per_step)]
+                finished = [f"s{step - 1}r{i}" for i in range(per_step)] if step else []
+                cache.begin_step(StepEvents(new=[NewRequest(r, [i]) for i, r in enumerate(ids)], finished=finished))
+                batch = StepBatch(ids, [4] * per_step, np.arange(4 * per_step))
+                cache.discard(cache.save(torch.zeros(4 * per_step, 8), {}, batch))
+                if errors:
+                    break
+        finally:
+            done.set()
+            thread.join()
+    assert errors == []

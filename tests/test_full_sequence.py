@@ -6,10 +6,11 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 import torch
 
 from cachekit import describe, rows, slots_of, small_cache
-from omni_pcache import CachePolicy, NewRequest, ResumedRequest, StepBatch, StepEvents
+from omni_pcache import CachePolicy, InvalidInputError, NewRequest, ResumedRequest, StepBatch, StepEvents
 
 BS = 4
 DEFERRED = CachePolicy(deferred_keys={"codes"}, token_keys={"codes"})
@@ -80,6 +81,21 @@ def test_the_budget_flushes_the_oldest_deferred_request_first() -> None:
         # e hits block 0, whose deferred rows a flushed to the pool.
         step = save(cache, [("e", [0, 7], 4, 1, 5)], new=[NewRequest("e", [0, 7], 4)])
         check(cache.materialize(step, ["e"]), "e", (1, 0, 4), (5, 4, 1))
+
+
+def test_deferred_keys_that_fit_the_budget_alone_but_not_together_are_refused_at_once() -> None:
+    policy = CachePolicy(token_keys={"codes", "audio"}, deferred_keys={"codes", "audio"})
+    step_bytes = 4 * 2 * 8  # 4 rows of int64 (2,) per key: each fits, both do not
+    with small_cache(policy=policy, device_budget_bytes=step_bytes + 8, claim_timeout_s=2) as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        codes = rows(1, 0, 4, width=2, dtype=torch.int64)
+        batch = StepBatch(["a"], [4], slots_of([0], 0, 4, BS))
+        with pytest.raises(InvalidInputError, match=r"'audio' 64 bytes, 'codes' 64 bytes; 128 bytes in all\) exceed"):
+            cache.save(rows(1, 0, 4), {"codes": codes, "audio": codes}, batch)
+        stats = cache.stats()
+        assert stats.steps_outstanding == [] and stats.device_bytes == 0 and stats.num_waits == 0
+        step = cache.save(rows(1, 0, 4), {"codes": codes}, batch)  # one key fits
+        check(cache.materialize(step, ["a"]), "a", (1, 0, 4))
 
 
 def test_an_aborted_request_mid_write_still_lands_and_can_be_hit() -> None:

@@ -193,8 +193,10 @@ class PrefixCache:
         shape = check_batch(batch, self._config)
         cached, leftover = self._keys.classify(hidden, {} if mm is None else mm, shape.n, shape.n_padded)
         deferred_names = self._policy.deferred_keys
-        for name in deferred_names & cached.keys():
-            self._deferred.check_fits(name, cached[name][0].row_bytes * shape.n)
+        if deferred_names:
+            self._deferred.check_fits(
+                {name: cached[name][0].row_bytes * shape.n for name in deferred_names & cached.keys()}
+            )
         specs = [spec for spec, _ in cached.values()]
         immediate = [spec for spec in specs if spec.name not in deferred_names]
         deferred = [spec for spec in specs if spec.name in deferred_names]
@@ -203,7 +205,7 @@ class PrefixCache:
             if spec.name not in deferred_names:
                 self._pages.ensure(spec)
         step_id = self._steps.issue()
-        page = self._claim_page(step_id)
+        page = self._claim_page(step_id)  # (consumes the step id itself when it raises)
         try:
             copy = self._copies.start()
             sources: dict[str, torch.Tensor] = {}
@@ -214,11 +216,17 @@ class PrefixCache:
                     sources[spec.name] = src
             kept_leftover = {name: snapshot(value, copy) for name, value in leftover.items()}
             handle = copy.finish()
-            clones = self._deferred.clone_step(deferred, cached, shape)
+            clones = self._deferred.clone_step(deferred, cached, shape)  # charges only if it returns
+        except BaseException as exc:  # a leftover that cannot be copied, no device budget in time, ...
+            self._abandon_step(step_id, page)
+            if isinstance(exc, CacheClosedError):
+                raise self._failure or CacheClosedError("the cache was closed during save") from None
+            raise
+        try:
             records, from_pool, from_deferred = self._claim_rows(
                 step_id, page, shape, immediate, deferred, handle, clones
             )
-        except CacheClosedError:
+        except CacheClosedError:  # (claims fail only when the cache failed or closed meanwhile)
             raise self._failure or CacheClosedError("the cache was closed during save") from None
         for spec, slots, versions in from_pool:
             rows = self._pool.read(spec.name, torch.tensor(slots, dtype=torch.int64))
@@ -253,6 +261,20 @@ class PrefixCache:
             and n * sum(spec.row_bytes for spec in immediate) < self._config.inline_write_bytes
             and handle.done()
         )
+
+    def _abandon_step(self, step_id: int, page: int) -> None:
+        """Undoes a save that raised before claiming any rows (engine thread): its step id is
+        consumed and its staging page released, so a refused save holds nothing. Copies it
+        launched into the page land before any later step's (same stream, or the next fence)."""
+        self._steps.consume(step_id)
+        self._release_step_page(page, step_id)
+
+    def _release_step_page(self, page: int, step_id: int) -> None:
+        """Drops the step's hold on its staging page, unless a failure already released every
+        holder (under the ledger lock, as the failure path is, so the two cannot interleave)."""
+        with self._cond:
+            if not self._staging.closed:
+                self._staging.release(page, ("step", step_id))
 
     def _claim_page(self, step_id: int) -> int:
         try:
@@ -421,7 +443,7 @@ class PrefixCache:
             while True:
                 if self._failure is not None:
                     raise self._failure
-                open_ids = [t for t in task_ids if t in self._records and not self._records[t].done]
+                open_ids = [t for t in task_ids if (r := self._records.get(t)) is not None and not r.done]
                 if not open_ids:
                     break
                 remaining = deadline - time.monotonic()
@@ -456,8 +478,7 @@ class PrefixCache:
                 self._reader.release(hit)
             outstanding = self._steps.outstanding()
             self._preserved.drop_through(outstanding[0] if outstanding else None)
-        if not self._staging.closed:
-            self._staging.release(record.page, ("step", record.step_id))
+        self._release_step_page(record.page, record.step_id)
 
     def materialize(self, step_id: int, req_ids: Sequence[str]) -> StepOutputs:
         """Per-request outputs of step ``step_id`` (any thread, exactly once per step id).
@@ -488,14 +509,20 @@ class PrefixCache:
         return record if record is not None and record.deferred and not record.closed else None
 
     def _reap_completions(self) -> None:
-        for task_id in self._tasks.reap_completions().tolist():
-            record = self._records.pop(task_id, None)
-            if record is not None:
-                tasks = self._req_tasks.get(record.req_id)
-                if tasks is not None:
-                    tasks.discard(task_id)
-                    if not tasks:
-                        del self._req_tasks[record.req_id]
+        """Forgets written tasks (engine thread). Under the ledger lock: `flush`, `_wait_tasks` and
+        the failure path read ``_records`` from other threads under it."""
+        completed = self._tasks.reap_completions().tolist()
+        if not completed:
+            return
+        with self._cond:
+            for task_id in completed:
+                record = self._records.pop(task_id, None)
+                if record is not None:
+                    tasks = self._req_tasks.get(record.req_id)
+                    if tasks is not None:
+                        tasks.discard(task_id)
+                        if not tasks:
+                            del self._req_tasks[record.req_id]
 
     def stats(self) -> CacheStats:
         """A snapshot of the counters (any thread; works after a failure or close)."""

@@ -78,6 +78,12 @@ class CopyHandle:
         if self._event is not None:
             self._event.synchronize()
 
+    def wait_device(self) -> None:
+        """Waits only the step's device→host copies (not its CPU copies, which a reader of the
+        caller's CPU tensors does not need)."""
+        if self._event is not None:
+            self._event.synchronize()
+
     def done(self) -> bool:
         return (self._host is None or self._host.done()) and (self._event is None or bool(self._event.query()))
 

@@ -181,11 +181,14 @@ class DeferredWrites:
         self.budget = DeviceBudget(config.device_budget_bytes)
         self.open: dict[str, DeferredRecord] = {}  # live request -> its open record
 
-    def check_fits(self, name: str, nbytes: int) -> None:
-        """Refuses (before anything changes) a step whose rows of one key exceed the budget."""
-        if nbytes > self.budget.limit:
+    def check_fits(self, step_bytes: dict[str, int]) -> None:
+        """Refuses (before anything changes) a step whose rows of the deferred keys, which are
+        cloned together, exceed the budget: no amount of flushing could make room for them."""
+        total = sum(step_bytes.values())
+        if total > self.budget.limit:
+            keys = ", ".join(f"{name!r} {nbytes} bytes" for name, nbytes in sorted(step_bytes.items()))
             raise InvalidInputError(
-                f"this step's rows of deferred key {name!r} ({nbytes} bytes) "
+                f"this step's rows of the deferred keys ({keys}; {total} bytes in all) "
                 f"exceed device_budget_bytes={self.budget.limit}"
             )
 
@@ -204,12 +207,9 @@ class DeferredWrites:
         need = sum(spec.row_bytes * shape.n for spec in deferred)
         if self.budget.used + need > self.budget.limit:
             self._make_room(need)
-        clones = {}
-        for spec in deferred:
-            clone = Clone.of(cached[spec.name][1][: shape.n], holders, self.budget)
-            if holders:
-                self.budget.charge(clone.nbytes)
-            clones[spec.name] = clone
+        clones = {spec.name: Clone.of(cached[spec.name][1][: shape.n], holders, self.budget) for spec in deferred}
+        if holders:  # charged once every clone exists: a failed clone leaves the budget as it was
+            self.budget.charge(sum(clone.nbytes for clone in clones.values()))
         return clones
 
     def flush(self, record: DeferredRecord) -> None:

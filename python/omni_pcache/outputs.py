@@ -76,6 +76,8 @@ class OutputBuilder:
                 hit_out[req_id] = self._serve_hit(record, req_id, hit, sources)
         if not in_place:
             record.handle.wait()
+        elif record.leftover:  # snapshots of CUDA leftovers land on the side stream, even in place
+            record.handle.wait_device()
         misses = [r for r in req_ids if r not in hit_out]
         shared, sizes = self._miss_rows(record, misses, sources)
         # One split per key (a slice per request would cost a Python indexing call each).
