@@ -110,6 +110,34 @@ def test_a_late_read_of_a_reused_block_serves_the_old_tenant_from_a_preserved_co
         expect(cache.materialize(reuse_step, ["c"]), "c", [(3, 0, 5)])
 
 
+def test_a_late_read_keeps_its_preserved_rows_while_another_thread_consumes_the_newer_step() -> None:
+    # Thread T materializes the hit step; while its read is being served, the engine thread
+    # discards the step that reused the block. The copy T needs must outlive that discard
+    # (it was dropped once no step id was outstanding, though T's read was still under way).
+    with small_cache() as cache:
+        cache.materialize(run_step(cache, [NewRequest("a", [0, 1])], reqs=[("a", [0, 1], 0, 8, 1)]), ["a"])
+        hit_step = run_step(cache, [NewRequest("b", [0, 2], 4)], finished=["a"], reqs=[("b", [0, 2], 4, 3, 2)])
+        reuse_step = run_step(cache, [NewRequest("c", [0, 3])], finished=["b"], reqs=[("c", [0, 3], 0, 5, 3)])
+        serving, go = threading.Event(), threading.Event()
+        serve = cache._reader.serve
+
+        def paused_serve(*args, **kwargs):
+            serving.set()
+            assert go.wait(10), "test gate never opened"
+            return serve(*args, **kwargs)
+
+        cache._reader.serve = paused_serve
+        result = {}
+        t = threading.Thread(target=lambda: result.update(out=cache.materialize(hit_step, ["b"])))
+        t.start()
+        assert serving.wait(10)
+        cache.discard(reuse_step)
+        go.set()
+        t.join()
+        expect(result["out"], "b", [(1, 0, 4), (2, 4, 3)])
+        assert cache.stats().preserved_entries == 0, "dropped once the late read was done"
+
+
 def test_a_late_read_of_a_block_reused_while_its_write_was_in_flight() -> None:
     # b hits block 0 while a is computing it (same step); block 0 is reused by c before a's
     # write lands. a skips the stolen slots, so b's preserved copy must come from a's staging

@@ -93,6 +93,7 @@ class PrefixCache:
         self._req_tasks: dict[str, set[int]] = {}
         self._delivery = DeliveryTracker(config.block_size)
         self._step_records: dict[int, StepRecord] = {}
+        self._building: set[int] = set()  # consumed step ids whose materialize is under way (ledger lock)
         self._failure: WriteFailedError | None = None
         self._closed = False
         self._committer = Committer(self._tasks, self._write_tasks, self._on_write_failure, config.threaded)
@@ -468,16 +469,22 @@ class PrefixCache:
                 raise InvalidInputError(
                     f"requests {missing} were not in step {step_id}; its requests: {list(record.rows)}"
                 )
-        self._steps.consume(step_id)  # raises StepIdError for a second or unknown consumption
-        with self._cond:
+        with self._cond:  # (atomic with `_finish_step`'s bound on the preserved rows)
+            self._steps.consume(step_id)  # raises StepIdError for a second or unknown consumption
+            self._building.add(step_id)
             return self._step_records.pop(step_id)
 
     def _finish_step(self, record: StepRecord) -> None:
+        """Releases a consumed step's reads, and the preserved rows no step can need any more:
+        those created up to the oldest step still outstanding or still being materialized on
+        some thread (its id is consumed, but its reads are not served yet)."""
         with self._cond:
             for hit in record.hits.values():
                 self._reader.release(hit)
+            self._building.discard(record.step_id)
             outstanding = self._steps.outstanding()
-            self._preserved.drop_through(outstanding[0] if outstanding else None)
+            live = outstanding[:1] + list(self._building)
+            self._preserved.drop_through(min(live) if live else None)
         self._release_step_page(record.page, record.step_id)
 
     def materialize(self, step_id: int, req_ids: Sequence[str]) -> StepOutputs:
