@@ -98,6 +98,24 @@ def test_deferred_keys_that_fit_the_budget_alone_but_not_together_are_refused_at
         check(cache.materialize(step, ["a"]), "a", (1, 0, 4))
 
 
+def test_a_late_read_of_deferred_rows_their_own_request_recomputes_gets_the_captured_rows() -> None:
+    # b hits a's block 0 while a's codes are still on the device (a's open deferred record);
+    # before b's step is materialized, a is resumed from position 0 and recomputes block 0.
+    # b must get the rows its read captured: a's open record is closed when a comes back, so
+    # the recompute claims the slots under a new record and the captured rows are preserved.
+    with small_cache(policy=DEFERRED) as cache:
+        cache.materialize(save(cache, [("a", [0], 0, 4, 1)], new=[NewRequest("a", [0])]), ["a"])
+        hit = save(cache, [("b", [0, 1], 4, 4, 2)], new=[NewRequest("b", [0, 1], 4)])
+        again = save(cache, [("a", [0], 0, 4, 3)], resumed=[ResumedRequest("a", [0], 0)])
+        check(cache.materialize(hit, ["b"]), "b", (1, 0, 4), (2, 4, 4))
+        out = cache.materialize(again, ["a"])  # nothing new for a's consumer: rows 0-3 were delivered
+        assert out.hidden["a"].shape[0] == 0 and out.mm["codes"]["a"].shape[0] == 0
+        cache.begin_step(StepEvents(finished=["a", "b"]))
+        cache.flush()
+        late = save(cache, [("c", [0, 2], 4, 1, 4)], new=[NewRequest("c", [0, 2], 4)])
+        check(cache.materialize(late, ["c"]), "c", (3, 0, 4), (4, 4, 1))  # the newest tenant's rows
+
+
 def test_an_aborted_request_mid_write_still_lands_and_can_be_hit() -> None:
     with small_cache(inline_write_bytes=0) as cache:
         gate = threading.Event()

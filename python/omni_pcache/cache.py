@@ -154,8 +154,9 @@ class PrefixCache:
 
         A new request with ``num_computed_tokens > 0`` registers a hit span, read at its first
         save. A resumed request, or a live one continued as new, gets exactly the rows its
-        consumer has not received (see `omni_pcache.delivery`). Writes of finished or aborted
-        requests go to the front of the copy queue.
+        consumer has not received (see `omni_pcache.delivery`); its open deferred rows are
+        queued for writing, since it may recompute them. Writes of finished or aborted requests
+        go to the front of the copy queue.
         """
         self._check_usable()
         scheduled = check_events(events, self._config, self._delivery.is_live)
@@ -167,14 +168,16 @@ class PrefixCache:
             for task_id in sorted(self._req_tasks.pop(req_id, ())):
                 self._tasks.escalate(task_id)
             flushed += self._deferred.finish(req_id)
-        if flushed:
-            self._committer.notify(flushed)
         hits = misses = 0
         for req in scheduled:
             if not self._delivery.is_live(req.req_id):
                 hits += req.num_computed > 0
                 misses += req.num_computed == 0
+            else:
+                flushed += self._deferred.close_open(req.req_id)
             self._delivery.schedule(req.req_id, req.blocks, req.num_computed)
+        if flushed:
+            self._committer.notify(flushed)
         if hits or misses:
             self._counters.add(hits=hits, misses=misses)
 

@@ -218,6 +218,17 @@ class DeferredWrites:
         record.flushed = True
         self._tasks.enqueue(record.task_id)
 
+    def close_open(self, req_id: str) -> int:
+        """A live request comes back (resumed, or continued as new) and may recompute positions
+        it saved before, reclaiming their slots: its open record is queued now, so those claims
+        belong to a new record and a read that captured the old rows gets them preserved (a
+        record reclaiming its own slot would not). Returns how many tasks were queued (0 or 1)."""
+        record = self.open.get(req_id)
+        if record is None:
+            return 0
+        self.flush(record)
+        return 1
+
     def finish(self, req_id: str) -> int:
         """The request finished or aborted: its open record goes to the front of the queue.
         Returns how many tasks were queued (0 or 1)."""
