@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -107,18 +108,25 @@ def test_explicit_token_keys_turn_discovery_off() -> None:
             cache.save(torch.zeros(2, 2), {"codes": [1, 2]}, StepBatch(["a"], [2], np.array([4, 5])))
 
 
+class Span(NamedTuple):
+    bounds: torch.Tensor
+    unit: str
+
+
 def test_leftover_is_a_snapshot_sliced_or_passed_whole() -> None:
     with small_cache() as cache:
         cache.begin_step(StepEvents(new=[NewRequest("a", [0]), NewRequest("b", [1])]))
         ref = torch.arange(10.0)
         per_tok = torch.arange(5.0) * 10  # dim 0 == n: discovered as per-token and cached
         nested = {"spk": torch.ones(2), "names": ["x", "y"], "deep": {"t": torch.zeros(3)}}
-        mm = {"ref": ref, "nested": nested, "count": 7, "ids": [1, 2, 3], "per_tok": per_tok}
+        span = Span(torch.tensor([3, 9]), "word")
+        mm = {"ref": ref, "nested": nested, "count": 7, "ids": [1, 2, 3], "per_tok": per_tok, "span": span}
         sid = cache.save(torch.zeros(5, 2), mm, StepBatch(["a", "b"], [2, 3], np.array([0, 1, 4, 5, 6])))
         ref.add_(1000)  # the caller reuses its buffers after save
         nested["spk"].mul_(-1)
         nested["deep"]["t"].fill_(5)
         nested["names"].append("z")
+        span.bounds.zero_()
         out = cache.materialize(sid, ["a", "b"])
         for req in ("a", "b"):
             assert torch.equal(out.mm["ref"][req], torch.arange(10.0))
@@ -126,6 +134,8 @@ def test_leftover_is_a_snapshot_sliced_or_passed_whole() -> None:
             assert torch.equal(out.mm["nested"][req]["deep"]["t"], torch.zeros(3))
             assert out.mm["nested"][req]["names"] == ["x", "y"]
             assert out.mm["count"][req] == 7 and out.mm["ids"][req] == [1, 2, 3]
+            kept = out.mm["span"][req]
+            assert isinstance(kept, Span) and kept.unit == "word" and torch.equal(kept.bounds, torch.tensor([3, 9]))
         assert torch.equal(out.mm["per_tok"]["b"], torch.tensor([20.0, 30.0, 40.0]))
 
 

@@ -186,3 +186,15 @@ def test_materialize_takes_request_ids_from_any_iterable() -> None:
         assert list(out.hidden) == ["b", "a"]
         assert torch.equal(out.hidden["a"], h[:4]) and torch.equal(out.hidden["b"], h[4:])
         assert cache.stats().steps_outstanding == []
+
+
+def test_an_id_finished_and_new_in_one_step_is_checked_as_a_new_request() -> None:
+    # begin_step applies finishes first, so a finished id that comes back new is a fresh request:
+    # its hit must be whole blocks, as any new request's (it was checked as live, and accepted).
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        cache.discard(save_one(cache))
+        with pytest.raises(InvalidInputError, match="num_computed_tokens=3 is not a whole number of blocks"):
+            cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1], 3)], finished=["a"]))
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1], 4)], finished=["a"]))
+        assert cache.stats().hits == 1

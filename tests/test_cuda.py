@@ -3,6 +3,8 @@ CPU path. Skipped without a GPU; `just gpu-check` runs these on a GPU machine.""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import pytest
 import torch
@@ -88,3 +90,27 @@ def test_one_device_to_host_copy_per_key_per_step(monkeypatch: pytest.MonkeyPatc
         assert len(calls) == 2, "one copy per key for the whole step, not per request"
         out = cache.materialize(sid, ["a", "b"])
         assert torch.equal(out.hidden["b"], torch.ones(4, 8))
+
+
+class Prosody(NamedTuple):
+    pitch: torch.Tensor
+    label: str
+
+
+def test_cuda_leftovers_come_back_on_the_host_even_read_in_place() -> None:
+    # A CPU hidden with CUDA leftovers, materialized on the saving thread before the next
+    # begin_step: the step's rows are read in place, but the leftovers' device→host copies
+    # must still be waited; a namedtuple's tensors are snapshotted to the host as well.
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        speaker = torch.arange(1 << 22, dtype=torch.float32, device="cuda")  # 16 MiB: copy takes a while
+        prosody = Prosody(torch.full((3,), 2.0, device="cuda"), "calm")
+        sid = cache.save(
+            torch.ones(4, 2), {"speaker": speaker, "prosody": prosody}, StepBatch(["a"], [4], np.arange(4))
+        )
+        out = cache.materialize(sid, ["a"])
+        got = out.mm["speaker"]["a"]
+        assert got.device.type == "cpu" and torch.equal(got, torch.arange(1 << 22, dtype=torch.float32))
+        kept = out.mm["prosody"]["a"]
+        assert isinstance(kept, Prosody) and kept.label == "calm"
+        assert kept.pitch.device.type == "cpu" and torch.equal(kept.pitch, torch.full((3,), 2.0))

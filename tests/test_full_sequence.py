@@ -4,13 +4,22 @@ preempted-and-resumed requests, async-chunk continuation, tenant succession."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 
 from cachekit import describe, rows, slots_of, small_cache
-from omni_pcache import CachePolicy, InvalidInputError, NewRequest, ResumedRequest, StepBatch, StepEvents
+from omni_pcache import (
+    CacheClosedError,
+    CachePolicy,
+    InvalidInputError,
+    NewRequest,
+    ResumedRequest,
+    StepBatch,
+    StepEvents,
+)
 
 BS = 4
 DEFERRED = CachePolicy(deferred_keys={"codes"}, token_keys={"codes"})
@@ -114,6 +123,32 @@ def test_a_late_read_of_deferred_rows_their_own_request_recomputes_gets_the_capt
         cache.flush()
         late = save(cache, [("c", [0, 2], 4, 1, 4)], new=[NewRequest("c", [0, 2], 4)])
         check(cache.materialize(late, ["c"]), "c", (3, 0, 4), (4, 4, 1))  # the newest tenant's rows
+
+
+def test_close_wakes_a_save_waiting_for_device_budget() -> None:
+    step_bytes = 4 * 2 * 8
+    with small_cache(policy=DEFERRED, device_budget_bytes=step_bytes, inline_write_bytes=0, claim_timeout_s=3) as cache:
+        gate = threading.Event()  # the committer cannot write a's rows: b's save waits for room
+        write = cache._writer.write_batch
+        cache._writer.write_batch = lambda records: (gate.wait(10), write(records))
+        cache.discard(save(cache, [("a", [0], 0, 4, 1)], new=[NewRequest("a", [0])]))
+        raised: list[BaseException] = []
+
+        def engine_thread() -> None:
+            try:
+                save(cache, [("b", [1], 0, 4, 2)], new=[NewRequest("b", [1])])
+            except BaseException as exc:  # checked below
+                raised.append(exc)
+            gate.set()
+
+        thread = threading.Thread(target=engine_thread)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while cache.stats().deferred_open and time.monotonic() < deadline:
+            time.sleep(0.001)  # b's save flushed a's record to make room: it waits for the write
+        cache.close()  # from another thread
+        thread.join()
+        assert [type(exc) for exc in raised] == [CacheClosedError], raised
 
 
 def test_an_aborted_request_mid_write_still_lands_and_can_be_hit() -> None:

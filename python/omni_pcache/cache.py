@@ -133,6 +133,7 @@ class PrefixCache:
         if self._closed:
             return
         self._closed = True
+        self._deferred.budget.close()  # a save waiting for device budget raises CacheClosedError
         self._finalizer()  # stops the committer once
         self._staging.close()
         with self._cond:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from omni_pcache.copy_engine import empty_host
-from omni_pcache.errors import InvalidInputError, StagingTimeoutError
+from omni_pcache.errors import CacheClosedError, InvalidInputError, StagingTimeoutError
 from omni_pcache.keys import KeySpec
 
 
@@ -34,6 +34,7 @@ class DeviceBudget:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
+        self.closed = False
         self._cond = threading.Condition()
 
     def charge(self, nbytes: int) -> None:
@@ -46,9 +47,12 @@ class DeviceBudget:
             self._cond.notify_all()
 
     def wait_for_room(self, nbytes: int, deadline: float) -> bool:
-        """Waits until ``nbytes`` more fit (any thread but the committer). False on timeout."""
+        """Waits until ``nbytes`` more fit (any thread but the committer). False on timeout;
+        `CacheClosedError` once the cache closes."""
         with self._cond:
             while self.used + nbytes > self.limit:
+                if self.closed:
+                    raise CacheClosedError("the cache was closed while save waited for device budget")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
@@ -57,6 +61,12 @@ class DeviceBudget:
 
     def wake(self) -> None:
         with self._cond:
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Wakes every waiter with `CacheClosedError` (close)."""
+        with self._cond:
+            self.closed = True
             self._cond.notify_all()
 
 

@@ -14,16 +14,18 @@ from omni_pcache.copy_engine import StepCopy
 
 def snapshot(value: Any, engine: StepCopy) -> Any:
     """A deep CPU copy of ``value``: tensors are copied (device tensors through ``engine``, so
-    the reader must wait the step's copy handle before reading them), containers are rebuilt,
-    numpy arrays copied, anything else deep-copied."""
+    the reader must wait the step's copy handle before reading them), containers (dicts, lists,
+    tuples, namedtuples) are rebuilt, numpy arrays copied, anything else deep-copied (a device
+    tensor inside another object is then copied on its device)."""
     if isinstance(value, torch.Tensor):
         return engine.snapshot(value)
     if isinstance(value, dict):
         return {k: snapshot(v, engine) for k, v in value.items()}
     if isinstance(value, list):
         return [snapshot(v, engine) for v in value]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(snapshot(v, engine) for v in value)
+    if isinstance(value, tuple):
+        items = [snapshot(v, engine) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)  # namedtuples keep their type
     if isinstance(value, np.ndarray):
         return value.copy()
     if isinstance(value, (int, float, bool, str, bytes, type(None))):

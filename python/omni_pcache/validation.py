@@ -49,11 +49,16 @@ class Scheduled:
 
 
 def check_events(events: StepEvents, config: CacheConfig, is_live) -> list[Scheduled]:
-    """Checks a step's events. A request the cache does not know yet that arrives with
-    ``num_computed_tokens > 0`` is a prefix hit and must cover whole blocks; a live one (resumed,
-    or continued as new) may have computed any count."""
+    """Checks a step's events. A request the cache does not know yet (or one this step finishes,
+    whose id comes back new) that arrives with ``num_computed_tokens > 0`` is a prefix hit and
+    must cover whole blocks; a live one (resumed, or continued as new) may have computed any
+    count."""
     if not isinstance(events, StepEvents):
         raise InvalidInputError(f"begin_step takes StepEvents, got {type(events).__name__}")
+    for req_id in events.finished:
+        if not isinstance(req_id, str):
+            raise InvalidInputError(f"StepEvents.finished holds request ids (str), got {req_id!r}")
+    ending = set(events.finished)  # finished before the scheduled requests are registered
     out: list[Scheduled] = []
     seen: set[str] = set()
     for kind, requests, cls in (("new", events.new, NewRequest), ("resumed", events.resumed, ResumedRequest)):
@@ -69,7 +74,7 @@ def check_events(events: StepEvents, config: CacheConfig, is_live) -> list[Sched
                     f"{req.req_id!r}: num_computed_tokens={computed} exceeds its "
                     f"{len(blocks)} blocks of {config.block_size}"
                 )
-            if not is_live(req.req_id) and computed % config.block_size:
+            if (req.req_id in ending or not is_live(req.req_id)) and computed % config.block_size:
                 raise InvalidInputError(
                     f"{req.req_id!r}: num_computed_tokens={computed} is not a whole number of "
                     f"blocks (block_size={config.block_size}); prefix hits are whole blocks"
@@ -78,9 +83,6 @@ def check_events(events: StepEvents, config: CacheConfig, is_live) -> list[Sched
                 raise InvalidInputError(f"request {req.req_id!r} is scheduled twice in one step's events")
             seen.add(req.req_id)
             out.append(Scheduled(req.req_id, blocks, computed, kind == "resumed"))
-    for req_id in events.finished:
-        if not isinstance(req_id, str):
-            raise InvalidInputError(f"StepEvents.finished holds request ids (str), got {req_id!r}")
     return out
 
 
