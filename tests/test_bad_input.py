@@ -5,8 +5,11 @@ Every case keeps using the object afterwards and checks its state is what it was
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
+import torch
 
 from omni_pcache import (
     SOURCE_ABSENT,
@@ -43,11 +46,12 @@ def snapshot(ledger: Ledger) -> tuple[list[int], list[int], int, int]:
     [
         (np.array([5, -1], dtype=np.int64), "slot id -1 at position 1 is out of range [0, 32)"),
         (np.array([32], dtype=np.int64), "slot id 32 at position 0 is out of range [0, 32)"),
-        (np.array([7, 8, 7], dtype=np.int64), "slot id 7 appears twice in one claim (positions 0 and 2)"),
+        (np.array([7, 8, 7], dtype=np.int64), "slot id 7 appears twice (positions 0 and 2)"),
         (np.array([1.0, 2.0]), "slots must be an int64 or int32 array, got dtype float64"),
         (np.array([1, 2], dtype=np.uint8), "got dtype uint8"),
         (np.zeros((2, 2), dtype=np.int64), "slots must be a 1-D integer array, got 2 dimensions"),
         ("not slots", "slots must be"),
+        (torch.tensor([1.0, 2.0]), "slots must be an int64 or int32 array, got dtype float32"),
     ],
 )
 def test_bad_claims_are_refused_and_change_nothing(ledger: Ledger, slots: object, message: str) -> None:
@@ -158,11 +162,25 @@ def test_staging_bad_input() -> None:
     assert staging.release(0, ("step", 1)) is True
 
 
+def test_a_staging_wait_too_long_for_a_deadline_waits_for_a_free_slot() -> None:
+    staging = StagingSlots(1)
+    staging.claim(("step", 1))
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(staging.claim(("step", 2), 1e19)))  # ~3e11 years
+    waiter.start()
+    staging.release(0, ("step", 1))
+    waiter.join(10)
+    assert got == [0], "the claim panicked computing its deadline, or never woke"
+
+
 def test_hash_bad_input() -> None:
     with pytest.raises(InvalidInputError, match="token id -5 at position 1 is outside"):
         hash_blocks([1, -5, 3, 4], 2)
-    with pytest.raises(InvalidInputError, match="block_size must be at least 1"):
+    with pytest.raises(InvalidInputError, match="block_size must be 1 to 16777216 tokens, got 0"):
         hash_blocks([1, 2], 0)
+    for huge in (2**40, 2**62):  # used to abort the process (a 4 TB buffer) or panic (4x wrapped to 0)
+        with pytest.raises(InvalidInputError, match=f"got {huge}"):
+            hash_blocks([1, 2, 3], huge)
     with pytest.raises(InvalidInputError, match="1 extra keys for 2 full blocks"):
         hash_blocks([1, 2, 3, 4], 2, extra_keys=[None])
     with pytest.raises(InvalidInputError, match="got dtype float32"):
@@ -197,3 +215,34 @@ def test_block_tables_accept_ints_numpy_ints_and_arrays_and_give_slots() -> None
     assert block_slots(table, 3, 10, 4).tolist() == [31, 8, 9, 10, 11, 20, 21]
     with pytest.raises(InvalidInputError, match=r"positions 0..13 do not fit a table of 3 blocks of 4"):
         block_slots(table, 0, 13, 4)
+    # A block id whose slots overflow int64 is refused (its multiply wrapped to small slots).
+    with pytest.raises(InvalidInputError, match=rf"block id {2**62} at position 0 has no slots of 16"):
+        block_slots(np.array([2**62]), 0, 4, 16)
+
+
+def test_claim_counts_that_overflow_when_summed_are_refused_whole(ledger: Ledger) -> None:
+    before = snapshot(ledger)
+    with pytest.raises(InvalidInputError, match="summing to more than usize::MAX for 1 slots"):
+        ledger.claim_many(np.array([5]), [1, 2**64 - 1, 1], 0, [7, 8, 9])
+    assert snapshot(ledger) == before
+
+
+def test_torch_index_tensors_are_read_like_numpy_arrays(ledger: Ledger) -> None:
+    out = ledger.claim(torch.tensor([4, 5]), 0, task_id=2)
+    assert out.stolen_slots.size == 0 and ledger.commit(2) == 2
+    assert ledger.peek(torch.tensor([4, 5], dtype=torch.int32), 0)[0].tolist() == [SOURCE_POOL, SOURCE_POOL]
+
+
+def test_a_completion_published_twice_loses_no_other_task() -> None:
+    tasks = WriteTasks()
+    first, second = tasks.create_many(2)
+    tasks.enqueue_many([first, second])
+    tasks.pop_many(2)
+    tasks.copy_done_many([first, second])
+    tasks.written_many([first, second])
+    tasks.complete(first)
+    tasks.complete(first)  # a caller's mistake: the same task published twice
+    tasks.complete(second)
+    with pytest.raises(InvalidInputError, match=rf"unknown task#{first}"):
+        tasks.reap_completions()
+    assert len(tasks) == 0, "the second task was removed all the same"

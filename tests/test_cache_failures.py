@@ -117,3 +117,21 @@ def test_a_broken_committer_thread_fails_loudly_instead_of_hanging() -> None:
         with pytest.raises(WriteFailedError):
             cache.materialize(sid, ["a"])
         assert cache.stats().staging_holders == [[], [], []]
+
+
+def test_a_failure_while_save_is_between_its_claims_and_its_queueing_raises_the_sticky_error() -> None:
+    # The committer fails (and fails every live task) right after save claimed its rows: save
+    # reports that failure, not the refused queueing of its now-FAILED tasks.
+    with small_cache() as cache:
+        claim_rows = cache._claim_rows
+
+        def claims_then_the_committer_fails(*args):
+            out = claim_rows(*args)
+            cache._on_write_failure(-1, RuntimeError("pool write failed"))  # what the committer runs
+            return out
+
+        cache._claim_rows = claims_then_the_committer_fails
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        with pytest.raises(WriteFailedError, match=r"the committer thread failed: RuntimeError\('pool write failed'\)"):
+            save_one(cache)
+        assert cache.stats().staging_holders == [[], [], []]

@@ -97,6 +97,7 @@ def test_oversized_step_and_foreign_request_ids_raise_and_change_nothing() -> No
         (StepBatch(["a"], [2], np.arange(1)), "slot_mapping has 1 entries for 2 scheduled tokens"),
         (StepBatch(["a"], [2], np.array([0, 64])), r"slot_mapping: slot id 64 at position 1 is out of range \[0, 64\)"),
         (StepBatch(["a"], [2], np.array([-3, 1])), r"slot_mapping: slot id -3 at position 0 is out of range"),
+        (StepBatch(["a"], [2], np.array([5, 5])), r"slot_mapping: slot id 5 appears twice \(positions 0 and 1\)"),
         (StepBatch(["a"], [2], np.array([0.0, 1.0])), "slot_mapping must be a 1-D integer array"),
         (StepBatch(["a"], [2], np.arange(2), 1), "num_tokens_padded must be an int >= 2"),
     ],
@@ -106,7 +107,8 @@ def test_bad_batches_raise_and_the_cache_stays_usable(batch, message) -> None:
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
         with pytest.raises(InvalidInputError, match=message):
             cache.save(torch.ones(2, 2), {}, batch)
-        assert cache.stats().steps_outstanding == []
+        stats = cache.stats()
+        assert stats.steps_outstanding == [] and stats.tasks_live == 0 and stats.staging_holders == [[], [], []]
         out = cache.materialize(save_one(cache), ["a"])
         assert torch.equal(out.hidden["a"], torch.ones(2, 2))
 
@@ -150,6 +152,10 @@ def test_bad_config_raises_config_error() -> None:
         CacheConfig(num_blocks=0, block_size=16)
     with pytest.raises(ConfigError, match="claim_timeout_s must be a finite number"):
         CacheConfig(num_blocks=1, block_size=16, claim_timeout_s=float("inf"))
+    with pytest.raises(
+        ConfigError, match=r"claim_timeout_s must be in \[0, .*\] s \(threading.TIMEOUT_MAX\), got 1e\+19"
+    ):
+        CacheConfig(num_blocks=1, block_size=16, claim_timeout_s=1e19)  # a native wait would overflow its deadline
     with pytest.raises(ConfigError, match=r"inline_write_bytes must be an int >= 0, got -1"):
         CacheConfig(num_blocks=1, block_size=16, inline_write_bytes=-1)
     with pytest.raises(ConfigError, match="config must be a CacheConfig"):

@@ -75,6 +75,8 @@ def test_scatter_plan_sorts_runs_by_slot_and_keeps_row_order_lengths() -> None:
     empty = scatter_plan(np.empty(0, dtype=np.int64))
     assert empty is not None and [a.size for a in empty] == [0, 0, 0]
     assert scatter_plan(np.array([4, 5, 6, 5], dtype=np.int64)) is None, "overlapping runs have no plan"
+    # Slots at the end of the int64 range have no plan (their run's end would overflow).
+    assert scatter_plan(np.array([2**63 - 1, 5], dtype=np.int64)) is None
 
 
 def test_a_slot_named_twice_is_written_like_index_copy() -> None:

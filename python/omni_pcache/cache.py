@@ -37,6 +37,7 @@ from omni_pcache.errors import (
     InvalidInputError,
     PrefixCacheError,
     StagingTimeoutError,
+    TaskStateError,
     WriteFailedError,
     WriteTimeoutError,
 )
@@ -164,19 +165,22 @@ class PrefixCache:
         self._copies.fence()
         self._reap_completions()
         flushed = 0
-        for req_id in events.finished:
-            self._delivery.finish(req_id)
-            for task_id in sorted(self._req_tasks.pop(req_id, ())):
-                self._tasks.escalate(task_id)
-            flushed += self._deferred.finish(req_id)
         hits = misses = 0
-        for req in scheduled:
-            if not self._delivery.is_live(req.req_id):
-                hits += req.num_computed > 0
-                misses += req.num_computed == 0
-            else:
-                flushed += self._deferred.close_open(req.req_id)
-            self._delivery.schedule(req.req_id, req.blocks, req.num_computed)
+        try:
+            for req_id in events.finished:
+                self._delivery.finish(req_id)
+                for task_id in sorted(self._req_tasks.pop(req_id, ())):
+                    self._tasks.escalate(task_id)
+                flushed += self._deferred.finish(req_id)
+            for req in scheduled:
+                if not self._delivery.is_live(req.req_id):
+                    hits += req.num_computed > 0
+                    misses += req.num_computed == 0
+                else:
+                    flushed += self._deferred.close_open(req.req_id)
+                self._delivery.schedule(req.req_id, req.blocks, req.num_computed)
+        except TaskStateError:  # a task the committer's failure failed meanwhile
+            raise self._failure or CacheClosedError("the cache is closed") from None
         if flushed:
             self._committer.notify(flushed)
         if hits or misses:
@@ -224,8 +228,10 @@ class PrefixCache:
             clones = self._deferred.clone_step(deferred, cached, shape)  # charges only if it returns
         except BaseException as exc:  # a leftover that cannot be copied, no device budget in time, ...
             self._abandon_step(step_id, page)
+            if self._failure is not None:  # the committer failed meanwhile: every call raises that
+                raise self._failure from None
             if isinstance(exc, CacheClosedError):
-                raise self._failure or CacheClosedError("the cache was closed during save") from None
+                raise CacheClosedError("the cache was closed during save") from None
             raise
         try:
             records, from_pool, from_deferred = self._claim_rows(
@@ -250,7 +256,10 @@ class PrefixCache:
                 step_id, page, handle, shape.n, shape.n_padded, rows, list(cached), hits, kept_leftover, clones,
                 sources, threading.get_ident(), self._copies.epoch,
             )  # fmt: skip
-        self._tasks.enqueue_many([record.task_id for record in records])
+        try:
+            self._tasks.enqueue_many([record.task_id for record in records])
+        except TaskStateError:  # the committer failed meanwhile and failed these tasks with the rest
+            raise self._failure or CacheClosedError("the cache was closed during save") from None
         if self._write_here(records, shape.n, immediate, sources, handle):
             self._committer.write_now(len(records))
         else:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 
 from omni_pcache.errors import ConfigError
@@ -62,8 +63,11 @@ class CacheConfig:
                 raise ConfigError(f"CacheConfig.{name} must be an int >= 0, got {value!r}")
         if not (isinstance(self.claim_timeout_s, int | float) and math.isfinite(self.claim_timeout_s)):
             raise ConfigError(f"CacheConfig.claim_timeout_s must be a finite number, got {self.claim_timeout_s!r}")
-        if self.claim_timeout_s < 0:
-            raise ConfigError(f"CacheConfig.claim_timeout_s must be >= 0, got {self.claim_timeout_s!r}")
+        if not 0 <= self.claim_timeout_s <= threading.TIMEOUT_MAX:
+            raise ConfigError(
+                f"CacheConfig.claim_timeout_s must be in [0, {threading.TIMEOUT_MAX:g}] s (threading.TIMEOUT_MAX), "
+                f"got {self.claim_timeout_s!r}"
+            )
         if self.num_blocks * self.block_size >= 2**32:
             raise ConfigError(f"num_blocks * block_size = {self.num_blocks * self.block_size} slots exceeds 2**32 - 1")
 

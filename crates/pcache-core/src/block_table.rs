@@ -22,27 +22,71 @@ pub fn check_block_ids(blocks: &[i64], num_blocks: u32) -> Result<()> {
     })
 }
 
-/// Checks that every slot id is in `[0, num_slots)`; reports the first one that is not (the
-/// engine's slot mapping is checked with it at every save).
+/// Checks that every slot id is in `[0, num_slots)` and appears once; reports the first one
+/// that is not (the engine's slot mapping is checked with it at every save, before anything
+/// changes: a step's rows go to distinct slots).
 pub fn check_slot_ids(slots: &[i64], num_slots: u32) -> Result<()> {
-    first_out_of_range(slots, num_slots).map_or(Ok(()), |position| {
-        Err(Error::SlotOutOfRange {
+    if let Some(position) = first_out_of_range(slots, num_slots) {
+        return Err(Error::SlotOutOfRange {
             slot: slots[position],
             position,
             num_slots,
+        });
+    }
+    first_repeat(slots, num_slots).map_or(Ok(()), |(first, second)| {
+        Err(Error::DuplicateSlot {
+            slot: slots[second] as u32,
+            first,
+            second,
         })
     })
 }
 
-/// Slot ids of positions `start..stop` under `blocks` (already checked), in position order.
-/// Refuses a span that runs past the table or a zero block size.
+/// Positions of the first slot seen twice, if any (`slots` in range). One bit per slot: the
+/// zeroed bitmap comes from the allocator's zero pages, so a large table costs what is touched.
+fn first_repeat(slots: &[i64], num_slots: u32) -> Option<(usize, usize)> {
+    if slots.len() < 2 {
+        return None;
+    }
+    let mut seen = vec![0u64; (num_slots as usize).div_ceil(64)];
+    for (second, &slot) in slots.iter().enumerate() {
+        let (word, bit) = (slot as usize / 64, 1u64 << (slot % 64));
+        if seen[word] & bit != 0 {
+            let first = slots.iter().position(|&s| s == slot).unwrap_or(0);
+            return Some((first, second));
+        }
+        seen[word] |= bit;
+    }
+    None
+}
+
+/// Slot ids of positions `start..stop` under `blocks`, in position order. Refuses a span that
+/// runs past the table, a zero block size, and a block id whose slots are not representable
+/// (negative, or past `i64` once multiplied by the block size).
 pub fn slots_of(blocks: &[i64], start: usize, stop: usize, block_size: u32) -> Result<Vec<i64>> {
     let bs = block_size as usize;
-    if bs == 0 || start > stop || stop > blocks.len() * bs {
+    if bs == 0 || start > stop || blocks.len().checked_mul(bs).is_none_or(|len| stop > len) {
         return Err(Error::InvalidInput {
             what: format!(
                 "positions {start}..{stop} do not fit a table of {} blocks of {block_size}",
                 blocks.len()
+            ),
+        });
+    }
+    let last_slot = |b: i64| {
+        b.checked_mul(i64::from(block_size))?
+            .checked_add(i64::from(block_size) - 1)
+    };
+    let touched = &blocks[start / bs..stop.div_ceil(bs)];
+    if let Some(i) = touched
+        .iter()
+        .position(|&b| b < 0 || last_slot(b).is_none())
+    {
+        return Err(Error::InvalidInput {
+            what: format!(
+                "block id {} at position {} has no slots of {block_size}",
+                touched[i],
+                start / bs + i
             ),
         });
     }
@@ -77,6 +121,29 @@ mod tests {
         ));
         assert!(slots_of(&[1, 2], 5, 3, 4).is_err());
         assert!(slots_of(&[1], 0, 1, 0).is_err());
+    }
+
+    #[test]
+    fn block_ids_without_representable_slots_are_refused() {
+        let err = slots_of(&[1, -3], 0, 8, 4).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "invalid input: block id -3 at position 1 has no slots of 4"
+        );
+        assert!(slots_of(&[1 << 62], 0, 4, 16).is_err());
+        assert_eq!(slots_of(&[1, -3], 0, 4, 4).unwrap(), vec![4, 5, 6, 7]);
+    }
+
+    #[test]
+    fn a_slot_listed_twice_is_reported_with_both_positions() {
+        assert!(check_slot_ids(&[5], 8).is_ok());
+        assert!(check_slot_ids(&[0, 1, 7, 2], 8).is_ok());
+        let err = check_slot_ids(&[3, 0, 1, 0], 8).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "slot id 0 appears twice (positions 1 and 3)"
+        );
+        assert!(check_slot_ids(&[0, 64, 129, 64], 130).is_err());
     }
 
     #[test]

@@ -40,8 +40,8 @@ pub enum Error {
         num_slots: u32,
     },
 
-    /// The same slot twice in one claim.
-    #[error("slot id {slot} appears twice in one claim (positions {first} and {second})")]
+    /// The same slot twice in one claim (or one step's slot mapping).
+    #[error("slot id {slot} appears twice (positions {first} and {second})")]
     DuplicateSlot {
         slot: u32,
         first: usize,

@@ -58,17 +58,21 @@ pub struct BlockHasher {
     buf: Vec<u8>,
 }
 
+/// The largest block the hasher takes (tokens): far past any engine's KV block, and small
+/// enough that a block's bytes (4 per token) never overflow or ask for an absurd buffer.
+pub const MAX_BLOCK_SIZE: usize = 1 << 24;
+
 impl BlockHasher {
-    /// A hasher for blocks of `block_size` tokens (at least 1).
+    /// A hasher for blocks of `block_size` tokens, 1 to `MAX_BLOCK_SIZE`.
     pub fn new(block_size: usize) -> Result<Self> {
-        if block_size == 0 {
+        if block_size == 0 || block_size > MAX_BLOCK_SIZE {
             return Err(Error::InvalidInput {
-                what: "block_size must be at least 1".into(),
+                what: format!("block_size must be 1 to {MAX_BLOCK_SIZE} tokens, got {block_size}"),
             });
         }
         Ok(Self {
             block_size,
-            buf: Vec::with_capacity(17 + 4 * block_size + 9),
+            buf: Vec::new(), // grows to one block's bytes at the first hash
         })
     }
 

@@ -234,13 +234,14 @@ impl Ledger {
         tasks: &[TaskId],
     ) -> Result<ClaimOutcome> {
         self.check_key(key)?;
-        if counts.len() != tasks.len() || counts.iter().sum::<usize>() != slots.len() {
+        let total = counts.iter().try_fold(0usize, |sum, &c| sum.checked_add(c));
+        if counts.len() != tasks.len() || total != Some(slots.len()) {
             return Err(Error::InvalidInput {
                 what: format!(
                     "{} counts for {} tasks, summing to {} for {} slots",
                     counts.len(),
                     tasks.len(),
-                    counts.iter().sum::<usize>(),
+                    total.map_or("more than usize::MAX".to_string(), |t| t.to_string()),
                     slots.len()
                 ),
             });

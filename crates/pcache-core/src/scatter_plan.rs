@@ -19,14 +19,15 @@ pub struct ScatterPlan {
 }
 
 impl ScatterPlan {
-    /// The plan for `slots`, or `None` when two runs overlap (a slot named twice): the
-    /// caller then scatters element by element, where the last row for a slot wins.
+    /// The plan for `slots`, or `None` when two runs overlap (a slot named twice) or a slot is
+    /// negative or at the end of the `i64` range: the caller then scatters element by element
+    /// (where the last row for a slot wins, and torch checks the range).
     pub fn new(slots: &[i64]) -> Option<Self> {
         let mut starts: Vec<(i64, usize)> = Vec::new(); // (first slot, run index)
         let mut lengths: Vec<i64> = Vec::new();
         for (i, &slot) in slots.iter().enumerate() {
             match lengths.last_mut() {
-                Some(len) if i > 0 && slot == slots[i - 1] + 1 => *len += 1,
+                Some(len) if i > 0 && slots[i - 1].checked_add(1) == Some(slot) => *len += 1,
                 _ => {
                     starts.push((slot, lengths.len()));
                     lengths.push(1);
@@ -37,11 +38,12 @@ impl ScatterPlan {
         let mut bounds: Vec<i64> = Vec::with_capacity(2 * starts.len());
         let mut order = Vec::with_capacity(starts.len());
         for &(start, run) in &starts {
-            if bounds.last().is_some_and(|&end| start < end) {
+            let end = start.checked_add(lengths[run])?;
+            if start < 0 || bounds.last().is_some_and(|&prev_end| start < prev_end) {
                 return None;
             }
             bounds.push(start);
-            bounds.push(start + lengths[run]);
+            bounds.push(end);
             order.push(run as i64);
         }
         Some(Self {

@@ -74,7 +74,7 @@ impl StagingSlots {
 
     /// Takes the next free slot in ring order for `holder`, waiting up to `timeout`.
     pub fn claim(&self, holder: Holder, timeout: Duration) -> Result<usize> {
-        let deadline = Instant::now() + timeout;
+        let deadline = Instant::now().checked_add(timeout); // None: too far to represent, no deadline
         let mut g = self.inner.lock();
         loop {
             if g.closed {
@@ -89,7 +89,15 @@ impl StagingSlots {
                 g.next = (slot + 1) % n;
                 return Ok(slot);
             }
-            if timeout.is_zero() || self.freed.wait_until(&mut g, deadline).timed_out() {
+            let timed_out = match deadline {
+                _ if timeout.is_zero() => true,
+                Some(deadline) => self.freed.wait_until(&mut g, deadline).timed_out(),
+                None => {
+                    self.freed.wait(&mut g);
+                    false
+                }
+            };
+            if timed_out {
                 if g.holders.iter().any(Vec::is_empty) && !g.closed {
                     continue;
                 }

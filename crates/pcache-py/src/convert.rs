@@ -59,7 +59,8 @@ impl<'py> Indices<'py> {
             return Ok(Self::contiguous_or_copy(a, Indices::I64));
         }
         let py = obj.py();
-        let array = if obj.hasattr("dtype")? {
+        let numpy_array = obj.is_instance(&py.import("numpy")?.getattr("ndarray")?)?;
+        let array = if numpy_array {
             obj.clone()
         } else {
             let np = py.import("numpy")?;
@@ -80,7 +81,7 @@ impl<'py> Indices<'py> {
         if let Ok(a) = array.extract::<PyReadonlyArray1<'py, i32>>() {
             return Ok(Self::contiguous_or_copy(a, Indices::I32));
         }
-        if size == 0 && !obj.hasattr("dtype")? {
+        if size == 0 && !numpy_array && !obj.hasattr("dtype")? {
             return Ok(Indices::Owned(Vec::new()));
         }
         let dtype = array.getattr("dtype")?.str()?.to_string();

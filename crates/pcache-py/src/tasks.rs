@@ -63,11 +63,16 @@ impl WriteTasks {
     }
 
     /// Drains the completion queue and drops those (WRITTEN or FAILED) tasks from the table;
-    /// returns their ids, oldest first, as an int64 array.
+    /// returns their ids, oldest first, as an int64 array. Every drained task is removed
+    /// before a refusal (an id published twice) is raised, so none is lost.
     fn reap_completions(&self, py: Python<'_>) -> PyResult<Py<PyArray1<i64>>> {
         let done = self.queues.drain_completions();
-        for task in &done {
-            self.table.remove(*task).py_err()?;
+        let refused: Vec<_> = done
+            .iter()
+            .filter_map(|t| self.table.remove(*t).err())
+            .collect();
+        if let Some(err) = refused.into_iter().next() {
+            return Err(err).py_err();
         }
         Ok(int_array(
             py,
