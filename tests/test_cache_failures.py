@@ -35,7 +35,9 @@ def test_a_failed_write_is_sticky_and_releases_everything(threaded: bool, inline
         cache._writer.write_batch = fail
     cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
     first = save_one(cache)
-    with pytest.raises(WriteFailedError, match=r"write task#0 \(request 'a', step 0\) failed.*disk on fire") as err:
+    with pytest.raises(
+        WriteFailedError, match=rf"write task#0 \(request 'a', step {first}\) failed.*disk on fire"
+    ) as err:
         cache.flush()
     assert err.value.task_id == 0
     assert err.value.__cause__ is boom

@@ -47,6 +47,21 @@ def test_step_ids_consumed_out_of_order_and_from_another_thread() -> None:
             cache.discard(99)
 
 
+def test_a_step_id_of_another_cache_is_refused_not_served() -> None:
+    # A runner that rebuilds its cache (vLLM re-initializing the KV cache) may still hold ids
+    # of the old one: the new cache must not take one for a step of its own.
+    with small_cache() as old, small_cache() as new:
+        old.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        stale = save_one(old)
+        new.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        mine = save_one(new)
+        with pytest.raises(StepIdError, match=rf"step#{stale} was never issued"):
+            new.materialize(stale, ["a"])
+        assert new.stats().steps_outstanding == [mine]
+        assert torch.equal(new.materialize(mine, ["a"]).hidden["a"], torch.ones(2, 2))
+        old.discard(stale)
+
+
 def test_full_staging_waits_then_raises_listing_unconsumed_ids() -> None:
     with small_cache(staging_depth=2, claim_timeout_s=0.2) as cache:
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2])]))

@@ -104,6 +104,18 @@ def test_a_broken_cache_is_caught_by_the_harness() -> None:
     assert not compare(cached, reference, 0.0).ok
 
 
+def test_a_nan_row_is_caught_by_the_harness() -> None:
+    """NaN compares false with everything: a NaN row must still count as a mismatch."""
+    config = replace(SCENARIOS[0][1], model="prefix-hash")
+    cached, reference = run_pair(config, "chat", 30, 3, 0.0)
+    victim = next(r for r in cached.outputs.values() if r.hidden)
+    victim.hidden[0] = victim.hidden[0].clone()
+    victim.hidden[0][0, 0] = float("nan")
+    result = compare(cached, reference, 1e-5)
+    assert len(result.mismatches) == 1 and "first bad position 0" in result.mismatches[0]
+    assert result.max_abs_diff == float("inf")
+
+
 @pytest.mark.skipif(SOAK_SEEDS == 0, reason="soak: run `just soak`")
 def test_soak() -> None:
     requests = rows = 0

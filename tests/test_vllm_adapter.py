@@ -123,6 +123,24 @@ def test_gate_sizes_the_cache_from_vllm() -> None:
     assert config == CacheConfig(num_blocks=1000, block_size=16, staging_capacity_tokens=512)
     tuned = cache_config_from_vllm(**configs(), staging_depth=6, threaded=False)
     assert tuned.staging_depth == 6 and not tuned.threaded
+    assert cache_config_from_vllm(**configs(), staging_capacity_tokens=2048).staging_capacity_tokens == 2048
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"num_blocks": 10}, r"cache options \['num_blocks'\] are set from vLLM's KV cache config"),
+        ({"block_size": 32, "num_blocks": 5}, r"\['block_size', 'num_blocks'\] are set from vLLM's"),
+        (
+            {"staging_capacity_tokens": 256},
+            "must hold a whole step: at least scheduler_config.max_num_batched_tokens=512",
+        ),
+    ],
+)
+def test_gate_refuses_cache_options_that_contradict_vllm(options, message) -> None:
+    # (these used to reach CacheConfig twice: "got multiple values for keyword argument")
+    with pytest.raises(ConfigError, match=message):
+        cache_config_from_vllm(**configs(), **options)
 
 
 @pytest.mark.parametrize(

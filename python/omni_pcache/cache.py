@@ -17,6 +17,7 @@ condition variable.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import weakref
@@ -53,6 +54,11 @@ from omni_pcache.stats import CacheStats, Counters
 from omni_pcache.validation import check_batch, check_events
 from omni_pcache.writes import PoolWriter, WriteRecord
 
+_STEP_ID_BASES = itertools.count()
+"""Each cache issues step ids from its own 2**40-wide range: an id kept across a rebuild (a
+vLLM runner re-initializing its KV cache) is refused by the new cache as never issued instead
+of naming one of its steps."""
+
 
 class PrefixCache:
     """A full-sequence prefix cache for one engine's per-token outputs. See the module doc."""
@@ -68,7 +74,7 @@ class PrefixCache:
         self._cond = threading.Condition(threading.Lock())
         self._ledger = Ledger(config.num_slots)
         self._tasks = WriteTasks()
-        self._steps = StepIds()
+        self._steps = StepIds(next(_STEP_ID_BASES) << 40)
         self._staging = StagingSlots(config.staging_depth)
         self._keys = KeyRegistry(policy, self._ledger.add_key)
         self._pool = HostPool(config.num_slots)

@@ -10,6 +10,7 @@ use crate::ids::StepId;
 
 #[derive(Debug, Default)]
 struct Inner {
+    first: u64,
     next: u64,
     outstanding: BTreeSet<u64>,
 }
@@ -24,6 +25,18 @@ impl StepIds {
     /// An empty registry; the first id issued is `step#0`.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty registry whose first id is `step#first` (so the ids of several registries in
+    /// one process need not overlap).
+    pub fn starting_at(first: u64) -> Self {
+        Self {
+            inner: Mutex::new(Inner {
+                first,
+                next: first,
+                outstanding: BTreeSet::new(),
+            }),
+        }
     }
 
     /// Issues the next id; it is outstanding until consumed.
@@ -43,7 +56,7 @@ impl StepIds {
             return Ok(());
         }
         let outstanding = g.outstanding.iter().copied().map(StepId).collect();
-        if step.0 < g.next {
+        if (g.first..g.next).contains(&step.0) {
             Err(Error::StepAlreadyConsumed { step, outstanding })
         } else {
             Err(Error::UnknownStep { step, outstanding })
@@ -75,6 +88,16 @@ impl StepIds {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_registry_starting_elsewhere_refuses_the_ids_of_another() {
+        let (first, second) = (StepIds::new(), StepIds::starting_at(1 << 40));
+        let a = first.issue();
+        let b = second.issue();
+        assert_eq!((a, b), (StepId(0), StepId(1 << 40)));
+        assert!(matches!(second.consume(a), Err(Error::UnknownStep { .. })));
+        second.consume(b).unwrap();
+    }
 
     #[test]
     fn out_of_order_consumption_and_errors_list_outstanding() {

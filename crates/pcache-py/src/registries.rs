@@ -16,10 +16,12 @@ pub struct StepIds {
 
 #[pymethods]
 impl StepIds {
+    /// Ids are issued from `first` on (default 0).
     #[new]
-    fn new() -> Self {
+    #[pyo3(signature = (first=0))]
+    fn new(first: u64) -> Self {
         Self {
-            inner: pcache_core::StepIds::new(),
+            inner: pcache_core::StepIds::starting_at(first),
         }
     }
 

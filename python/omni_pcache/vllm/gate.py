@@ -105,7 +105,9 @@ def cache_config_from_vllm(
     ``ModelConfig`` (``runner_type``; may be None), ``SpeculativeConfig`` or None,
     ``ParallelConfig``, and whether the stage pools. ``kernel_block_sizes`` is the runner's
     per-group kernel block sizes when it has them (V1: ``self._kernel_block_sizes``).
-    ``cache_options`` are passed on to `CacheConfig` (``staging_depth``, ``claim_timeout_s``...).
+    ``cache_options`` are passed on to `CacheConfig` (``staging_depth``, ``claim_timeout_s``...;
+    ``staging_capacity_tokens`` may raise the scheduler's step size, never lower it; the block
+    geometry is vLLM's).
     """
     if not getattr(cache_config, "enable_prefix_caching", False):
         return None
@@ -188,9 +190,20 @@ def cache_config_from_vllm(
     max_tokens = getattr(scheduler_config, "max_num_batched_tokens", None)
     if max_tokens is None:
         raise ConfigError("scheduler_config.max_num_batched_tokens is not set; the cache sizes staging from it")
+    from_vllm = sorted(cache_options.keys() & {"num_blocks", "block_size"})
+    if from_vllm:
+        raise ConfigError(
+            f"cache options {from_vllm} are set from vLLM's KV cache config (the cache mirrors its blocks); drop them"
+        )
+    staging = cache_options.pop("staging_capacity_tokens", int(max_tokens))
+    if not isinstance(staging, int) or staging < int(max_tokens):
+        raise ConfigError(
+            f"staging_capacity_tokens={staging!r} must hold a whole step: at least "
+            f"scheduler_config.max_num_batched_tokens={int(max_tokens)}"
+        )
     return CacheConfig(
         num_blocks=int(kv_cache_config.num_blocks),
         block_size=block_size,
-        staging_capacity_tokens=int(max_tokens),
+        staging_capacity_tokens=staging,
         **cache_options,
     )
