@@ -117,7 +117,7 @@ def test_unknown_task_ids_and_illegal_moves_on_write_tasks() -> None:
         tasks.state(42)
     with pytest.raises(InvalidInputError, match=r"unknown task#42"):
         tasks.enqueue(42)
-    with pytest.raises(TaskStateError, match=rf"task#{task}: illegal transition Pending -> HostReady") as err:
+    with pytest.raises(TaskStateError, match=rf"task#{task}: illegal transition PENDING -> HOST_READY") as err:
         tasks.copy_done(task)
     assert (err.value.from_state, err.value.to_state) == ("PENDING", "HOST_READY")
     with pytest.raises(InvalidInputError, match="is still PENDING and cannot be removed"):

@@ -17,7 +17,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Error {
     /// A write-task transition that is not an edge of the state machine.
-    #[error("{task}: illegal transition {from:?} -> {to:?}")]
+    #[error("{task}: illegal transition {} -> {}", from.name(), to.name())]
     IllegalTransition {
         task: TaskId,
         from: TaskState,

@@ -284,7 +284,7 @@ mod tests {
         );
         assert_eq!(
             err.to_string(),
-            "task#7: illegal transition Pending -> Copying"
+            "task#7: illegal transition PENDING -> COPYING"
         );
         assert_eq!(
             c.load().state(),
