@@ -67,8 +67,8 @@ def row_diff(
         problems.append(f"shape {tuple(got.shape)}, expected {tuple(expected.shape)}")
     common = min(got.shape[0], expected.shape[0]) if got.dim() and expected.dim() else 0
     if got.dtype == expected.dtype and got.shape[1:] == expected.shape[1:]:
-        equal = got[:common] == expected[:common]
-        bad = (~equal.reshape(common, -1).all(dim=1)).nonzero().reshape(-1).tolist()
+        equal = (got[:common] == expected[:common]).reshape(common, -1) if common else None
+        bad = (~equal.all(dim=1)).nonzero().reshape(-1).tolist() if equal is not None else []
     else:
         bad = list(range(common))
     if not problems and not bad:

@@ -5,12 +5,25 @@ The model is the pool as the engine sees it: for every slot, the row of its late
 model says were fully written since their last allocation, or missing), save steps of
 scheduled chunks (a request finishes when its last chunk is saved), abort requests, reuse
 freed blocks for new tenants, and materialize or discard outstanding step ids in any order.
+With ``RESUME``, running requests are also preempted (their blocks freed, to be reused by
+others) and resumed with a new block table: a whole-block hit on their own blocks that are
+still fully written and not reused, on any other fully written blocks, or none (recompute).
+With ``DEFERRED``, a second mm key is deferred (kept on the device until its request finishes
+or a tight device budget forces a flush).
+
+What a request's consumer gets is modelled as the contract says: across all its steps, its
+whole sequence exactly once. ``delivered`` is the end of what its saves returned (a discarded
+step counts: its rows were handed out); a (re)scheduled request with ``H`` computed tokens gets
+rows ``[delivered, H)`` read from the pool at its new block table (a prefix hit, or a resume hit
+past what it delivered), then this step's rows past ``delivered`` (recomputed rows already
+delivered are not returned again).
 
 Every row is a stamp ``[key, slot, writer, step]`` (tests/rowcodec.py); every materialize
 must return exactly the model's rows, captured when the step was saved: a late read of a
 block reused since then must still see the old tenant's rows. At teardown everything is
 consumed, a last request hits every full block (what the pool holds in the end), and the
-cache must be back to idle: no staging page held, no live task, no preserved entry.
+cache must be back to idle: no staging page held, no live task, no preserved entry, no open
+deferred record and no device bytes.
 """
 
 from __future__ import annotations
@@ -23,14 +36,16 @@ import numpy as np
 import torch
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from omni_pcache import CacheConfig, CachePolicy, NewRequest, PrefixCache, StepBatch, StepEvents
+from omni_pcache import CacheConfig, CachePolicy, NewRequest, PrefixCache, ResumedRequest, StepBatch, StepEvents
 from rowcodec import Stamp, describe, row_diff, stamps
 
 BLOCK_SIZE = 2
 NUM_BLOCKS = 6
 STAGING_DEPTH = 4
 MAX_FRESH_BLOCKS = 3
-HIDDEN_KEY, WHO_KEY = 0, 1
+HIDDEN_KEY, WHO_KEY, CODES_KEY = 0, 1, 2
+# Deferred rows are stamps of int64: the largest step (every slot once) fills the budget alone.
+DEVICE_BUDGET_BYTES = NUM_BLOCKS * BLOCK_SIZE * 4 * 8
 
 
 @dataclass
@@ -40,8 +55,13 @@ class Req:
     block_ids: list[int]
     num_tokens: int
     num_hit_tokens: int
-    num_done: int  # positions hit or scheduled so far
-    scheduled: bool = False
+    num_done: int  # positions hit or scheduled so far (the next position to compute)
+    scheduled: bool = False  # saved at least once
+    delivered: int = 0  # positions [0, delivered) were returned by its saves
+    read_from: int | None = None  # due with its next save: pool rows [read_from, num_done)
+    preempted: bool = False  # holds no blocks until resumed
+    kept: tuple[tuple[int, int], ...] = ()  # (preempted) (block, generation) of blocks it fully computed
+    old_blocks: tuple[int, ...] = ()  # (preempted) its block table before
 
     def slot(self, position: int) -> int:
         return self.block_ids[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
@@ -52,12 +72,14 @@ class SavedStep:
     step: int
     req_ids: list[str]
     expected: dict[str, list[tuple[int, int, int]]]  # req -> (slot, writer, step) per row
-    num_hit_rows: dict[str, int]
+    num_read_rows: dict[str, int]  # leading rows read from the pool
 
 
 class CacheMachine(RuleBasedStateMachine):
     THREADED = False
     INLINE_WRITE_BYTES = 0  # (threaded only) steps under this many bytes are written inside save
+    RESUME = False  # preempt and resume running requests
+    DEFERRED = False  # cache a deferred key "codes" too, under a tight device budget
 
     def __init__(self) -> None:
         super().__init__()
@@ -69,14 +91,22 @@ class CacheMachine(RuleBasedStateMachine):
             claim_timeout_s=10.0,
             threaded=self.THREADED,
             inline_write_bytes=self.INLINE_WRITE_BYTES,
+            **({"device_budget_bytes": DEVICE_BUDGET_BYTES} if self.DEFERRED else {}),
         )
-        self.cache = PrefixCache(config, CachePolicy(token_keys=frozenset({"who"})))
+        if self.DEFERRED:
+            policy = CachePolicy(token_keys=frozenset({"who", "codes"}), deferred_keys=frozenset({"codes"}))
+        else:
+            policy = CachePolicy(token_keys=frozenset({"who"}))
+        self.cache = PrefixCache(config, policy)
+        self.keys = {"who": WHO_KEY, **({"codes": CODES_KEY} if self.DEFERRED else {})}
         self.m_rows: dict[int, tuple[int, int]] = {}  # slot -> (writer, step) of its latest write
         self.m_filled: list[set[int]] = [set() for _ in range(NUM_BLOCKS)]  # offsets since allocation
+        self.m_gen = [0] * NUM_BLOCKS  # allocations to a new tenant so far
         self.m_refs = [0] * NUM_BLOCKS
         self.m_free: list[int] = list(range(NUM_BLOCKS))
         self.m_live: dict[str, Req] = {}
         self.m_new: list[str] = []
+        self.m_resumed: list[str] = []
         self.m_finished: list[str] = []
         self.m_outstanding: dict[int, SavedStep] = {}
         self.m_hits = self.m_misses = 0
@@ -88,7 +118,19 @@ class CacheMachine(RuleBasedStateMachine):
     def _full_blocks(self) -> list[int]:
         return [b for b in range(NUM_BLOCKS) if len(self.m_filled[b]) == BLOCK_SIZE]
 
-    def _add_request(self, hits: list[int], fresh: list[int], last_block_tokens: int) -> Req:
+    def _pending(self) -> list[Req]:
+        """New and resumed requests: each is scheduled in the next step."""
+        return [self.m_live[r] for r in self.m_new + self.m_resumed]
+
+    def _running(self) -> list[Req]:
+        """Scheduled requests with tokens left that the next step may or may not schedule."""
+        return [
+            r
+            for r in self.m_live.values()
+            if r.scheduled and not r.preempted and r.num_done < r.num_tokens and r.req_id not in self.m_resumed
+        ]
+
+    def _allocate(self, hits: list[int], fresh: list[int]) -> None:
         for block in hits:
             if self.m_refs[block] == 0:
                 self.m_free.remove(block)
@@ -96,22 +138,33 @@ class CacheMachine(RuleBasedStateMachine):
         for block in fresh:
             self.m_free.remove(block)
             self.m_filled[block] = set()  # a new tenant
+            self.m_gen[block] += 1
             self.m_refs[block] = 1
+
+    def _release(self, req: Req) -> None:
+        for block in req.block_ids:
+            self.m_refs[block] -= 1
+            if self.m_refs[block] == 0:
+                self.m_free.append(block)
+        req.block_ids = []
+
+    def _add_request(self, hits: list[int], fresh: list[int], last_block_tokens: int) -> Req:
+        self._allocate(hits, fresh)
         writer = self.next_writer
         self.next_writer += 1
         num_hit = len(hits) * BLOCK_SIZE
         num_tokens = (len(hits) + len(fresh) - 1) * BLOCK_SIZE + last_block_tokens
-        req = Req(f"r{writer}", writer, hits + fresh, num_tokens, num_hit, num_hit)
+        req = Req(f"r{writer}", writer, hits + fresh, num_tokens, num_hit, num_hit, read_from=0 if num_hit else None)
         self.m_live[req.req_id] = req
         self.m_new.append(req.req_id)
         return req
 
     def _finish(self, req_id: str) -> None:
         req = self.m_live.pop(req_id)
-        for block in req.block_ids:
-            self.m_refs[block] -= 1
-            if self.m_refs[block] == 0:
-                self.m_free.append(block)
+        if not req.preempted:
+            self._release(req)
+        if req_id in self.m_resumed:  # aborted before its resume reached the cache
+            self.m_resumed.remove(req_id)
         self.m_finished.append(req_id)
 
     def _save(self, order: list[tuple[Req, int]], pad: int) -> int:
@@ -119,7 +172,8 @@ class CacheMachine(RuleBasedStateMachine):
         step = self.step
         self.step += 1
         new = [NewRequest(r, list(self.m_live[r].block_ids), self.m_live[r].num_hit_tokens) for r in self.m_new]
-        events = StepEvents(new=new, finished=list(self.m_finished))
+        resumed = [ResumedRequest(r, list(self.m_live[r].block_ids), self.m_live[r].num_done) for r in self.m_resumed]
+        events = StepEvents(new=new, resumed=resumed, finished=list(self.m_finished))
         self.m_hits += sum(1 for r in new if r.num_computed_tokens)
         self.m_misses += sum(1 for r in new if not r.num_computed_tokens)
         slots: list[int] = []
@@ -131,51 +185,65 @@ class CacheMachine(RuleBasedStateMachine):
                 rows.append((slot, req.writer, step))
                 self.m_rows[slot] = (req.writer, step)
                 self.m_filled[slot // BLOCK_SIZE].add(slot % BLOCK_SIZE)
-        # Hits are planned after the step's claims: the expected rows are the model's now.
-        expected, num_hit_rows = {}, {}
+        # Reads are planned after the step's claims: the expected rows are the model's now.
+        expected, num_read_rows = {}, {}
         for req, count in order:
-            lo = 0 if not req.scheduled else req.num_done
-            expected[req.req_id] = [(req.slot(p), *self.m_rows[req.slot(p)]) for p in range(lo, req.num_done + count)]
-            num_hit_rows[req.req_id] = req.num_done - lo
-            req.num_done += count
+            start, end = req.num_done, req.num_done + count
+            positions: list[int] = []
+            if req.read_from is not None:  # a hit (or a resume past what it delivered): from the pool
+                positions += range(req.read_from, start)
+                req.delivered = max(req.delivered, start)
+                req.read_from = None
+            num_read_rows[req.req_id] = len(positions)
+            positions += range(max(start, req.delivered), end)  # recomputed rows are not returned twice
+            expected[req.req_id] = [(req.slot(p), *self.m_rows[req.slot(p)]) for p in positions]
+            req.delivered = max(req.delivered, end)
+            req.num_done = end
             req.scheduled = True
         n = len(slots)
-        hidden = torch.cat([stamps([Stamp(HIDDEN_KEY, *r) for r in rows], torch.float64), torch.full((pad, 4), -1.0)])
-        who = torch.cat([stamps([Stamp(WHO_KEY, *r) for r in rows]), torch.full((pad, 4), -1, dtype=torch.int64)])
+
+        def stamped(key: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.cat([stamps([Stamp(key, *r) for r in rows], dtype), torch.full((pad, 4), -1, dtype=dtype)])
+
+        mm = {name: stamped(key, torch.int64) for name, key in self.keys.items()}
         mapping = np.array(slots + [-1] * pad, dtype=np.int64)
         batch = StepBatch([r.req_id for r, _ in order], [c for _, c in order], mapping, n + pad if pad else None)
         self.cache.begin_step(events)
-        step_id = self.cache.save(hidden, {"who": who, "note": f"step {step}"}, batch)
+        step_id = self.cache.save(stamped(HIDDEN_KEY, torch.float64), {**mm, "note": f"step {step}"}, batch)
         assert step_id not in self.m_outstanding
-        self.m_outstanding[step_id] = SavedStep(step, [r.req_id for r, _ in order], expected, num_hit_rows)
+        self.m_outstanding[step_id] = SavedStep(step, [r.req_id for r, _ in order], expected, num_read_rows)
         self.m_new.clear()
+        self.m_resumed.clear()
         self.m_finished.clear()
         for req, _ in order:
             if req.num_done == req.num_tokens:  # prefill done: it finishes, reported next step
                 self._finish(req.req_id)
         return step_id
 
+    def _save_pending(self) -> int:
+        """A step scheduling every pending request to its end."""
+        return self._save([(r, r.num_tokens - r.num_done) for r in self._pending()], 0)
+
     def _check(self, step_id: int, req_ids: list[str]) -> None:
         saved = self.m_outstanding.pop(step_id)
         out = self.cache.materialize(step_id, req_ids)
         assert out.hidden is not None and set(out.hidden) == set(req_ids)
-        assert set(out.mm) == {"who", "note"} and set(out.mm["who"]) == set(req_ids)
+        assert set(out.mm) == {*self.keys, "note"}
         problems = []
         for req_id in req_ids:
             rows = saved.expected[req_id]
-            got_who = out.mm["who"][req_id]
-            exp_who = stamps([Stamp(WHO_KEY, *r) for r in rows])
-
-            def explain(p: int, got_who=got_who, exp_who=exp_who, hit=saved.num_hit_rows[req_id]) -> str:
-                got = got_who[p] if p < got_who.shape[0] else None
-                part = "hit" if p < hit else "this step"
-                return (
-                    f"({part}) came from [{describe(got, BLOCK_SIZE)}], expected [{describe(exp_who[p], BLOCK_SIZE)}]"
-                )
-
             where = f"step {saved.step} (id {step_id}) request {req_id}"
-            exp_hidden = stamps([Stamp(HIDDEN_KEY, *r) for r in rows], torch.float64)
-            for label, got, want in (("hidden", out.hidden[req_id], exp_hidden), ("who", got_who, exp_who)):
+            wanted = [("hidden", out.hidden[req_id], HIDDEN_KEY, torch.float64)]
+            wanted += [(name, out.mm[name][req_id], key, torch.int64) for name, key in self.keys.items()]
+            for label, got, key, dtype in wanted:
+                want = stamps([Stamp(key, *r) for r in rows], dtype)
+
+                def explain(p: int, got=got, want=want, read=saved.num_read_rows[req_id]) -> str:
+                    row = got[p] if p < got.shape[0] else None
+                    part = "from the pool" if p < read else "this step"
+                    came, due = describe(row, BLOCK_SIZE), describe(want[p], BLOCK_SIZE)
+                    return f"({part}) came from [{came}], expected [{due}]"
+
                 diff = row_diff(f"{where} {label}", got, want, explain)
                 if diff:
                     problems.append(diff)
@@ -185,7 +253,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     # ---- rules ---------------------------------------------------------------------------------
 
-    @precondition(lambda self: len(self.m_new) < 3 and self.m_free)
+    @precondition(lambda self: len(self._pending()) < 3 and self.m_free)
     @rule(data=st.data())
     def new_request(self, data: st.DataObject) -> None:
         """A new request: fresh blocks from the free list (reusing freed ones: a new tenant),
@@ -198,7 +266,7 @@ class CacheMachine(RuleBasedStateMachine):
         hits = data.draw(st.lists(st.sampled_from(hittable), max_size=3, unique=True), label="hits") if hittable else []
         self._add_request(hits, fresh, data.draw(st.integers(1, BLOCK_SIZE), label="last_block_tokens"))
 
-    @precondition(lambda self: len(self.m_new) < 3 and any(b in self.m_free for b in self._full_blocks()))
+    @precondition(lambda self: len(self._pending()) < 3 and any(b in self.m_free for b in self._full_blocks()))
     @rule(data=st.data())
     def reuse_freed_block(self, data: st.DataObject) -> None:
         """A new tenant for a freed block that still holds fully written rows (which reads
@@ -223,29 +291,179 @@ class CacheMachine(RuleBasedStateMachine):
         more = [b for b in self._full_blocks() if b not in (block, fresh)]
         extra = data.draw(st.lists(st.sampled_from(more), max_size=2, unique=True), label="extra") if more else []
         self._add_request([block, *extra], [fresh], 1)
-        self._save([(self.m_live[r], self.m_live[r].num_tokens - self.m_live[r].num_done) for r in self.m_new], 0)
+        self._save_pending()
         assert block in self.m_free
         self._add_request([], [block], data.draw(st.integers(1, BLOCK_SIZE), label="last_block_tokens"))
-        self._save([(self.m_live[r], self.m_live[r].num_tokens - self.m_live[r].num_done) for r in self.m_new], 0)
+        self._save_pending()
 
     @precondition(lambda self: any(r.scheduled for r in self.m_live.values()))
     @rule(data=st.data())
     def abort(self, data: st.DataObject) -> None:
-        """A request is aborted with tokens left; its blocks are freed (reported next step)."""
+        """A request is aborted with tokens left (running, preempted, or resumed but not yet
+        scheduled again); its blocks are freed (reported next step)."""
         req_id = data.draw(st.sampled_from(sorted(r.req_id for r in self.m_live.values() if r.scheduled)))
         self._finish(req_id)
 
+    def _preempt(self, req: Req) -> None:
+        req.kept = tuple((b, self.m_gen[b]) for b in req.block_ids[: req.num_done // BLOCK_SIZE])
+        req.old_blocks = tuple(req.block_ids)
+        self._release(req)
+        req.preempted = True
+
+    @precondition(lambda self: self.RESUME and self._running())
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        """A running request is preempted: it stops being scheduled and its blocks are freed
+        (other requests may hit or reuse them meanwhile). Its outstanding steps stay valid."""
+        self._preempt(data.draw(st.sampled_from(sorted(self._running(), key=lambda r: r.writer)), label="preempted"))
+
+    def _resume_plan(self, req: Req, max_hits: int | None = None) -> tuple[int, int] | None:
+        """(most hit blocks, how many of its hit blocks must be held by others for its fresh
+        blocks to fit the free list), or None when it cannot resume now. With h hit blocks of
+        which k are held, it takes ``nblocks - h`` of the ``free - (h - k)`` free blocks that are
+        not hits: it fits when ``free + k >= nblocks``."""
+        nblocks = -(-req.num_tokens // BLOCK_SIZE)
+        most = (req.num_tokens - 1) // BLOCK_SIZE  # it computes at least one token
+        most = most if max_hits is None else min(most, max_hits)
+        held = sum(1 for b in self._full_blocks() if self.m_refs[b] > 0)
+        need_held = max(0, nblocks - len(self.m_free))
+        if need_held > min(most, held):
+            return None
+        return most, need_held
+
+    def _resumable(self) -> list[Req]:
+        if len(self._pending()) >= 3:
+            return []
+        return [r for r in self.m_live.values() if r.preempted and self._resume_plan(r) is not None]
+
+    def _resume(self, req: Req, data: st.DataObject, max_hits: int | None = None) -> None:
+        """Resumes ``req`` with a new block table: a whole-block hit (its own blocks still fully
+        written and not reused, or any fully written blocks: another request computed the same
+        prefix, maybe past what it delivered) or none, then fresh blocks from the free list
+        (maybe its own old ones: it recomputes into them)."""
+        plan = self._resume_plan(req, max_hits)
+        assert plan is not None
+        most, need_held = plan
+        own = self._own_prefix(req)[:most]
+        others = [b for b in self._full_blocks() if b not in own]
+        how = data.draw(st.sampled_from(["recompute", "own", "past_own"]), label="resume_hit")
+        if how == "recompute" or not own:
+            hits = []
+        else:  # some or all of its own blocks
+            hits = own[: data.draw(st.integers(1, len(own)), label="num_own_hits")] if how == "own" else own
+        if how == "past_own" and len(hits) < most and others:  # another request computed more of it
+            more = st.lists(st.sampled_from(others), min_size=1, max_size=most - len(hits), unique=True)
+            hits = hits + data.draw(more, label="other_hits")
+        # As many hits on blocks held by others as the free list needs (the plan says they exist).
+        held = [b for b in self._full_blocks() if self.m_refs[b] > 0 and b not in hits]
+        while sum(1 for b in hits if self.m_refs[b] > 0) < need_held:
+            if len(hits) < most:
+                hits.append(held.pop(0))
+            else:
+                at = max(i for i, b in enumerate(hits) if self.m_refs[b] == 0)
+                hits[at] = held.pop(0)
+        self._resume_with(req, hits, data)
+
+    def _resume_with(self, req: Req, hits: list[int], data: st.DataObject) -> None:
+        """Resumes ``req`` with these hit blocks, then fresh blocks from the free list."""
+        nblocks = -(-req.num_tokens // BLOCK_SIZE)
+        free = data.draw(st.permutations([b for b in self.m_free if b not in hits]), label="free")
+        if data.draw(st.booleans(), label="same_blocks"):  # its old blocks first (the free ones)
+            old = [b for b in req.old_blocks[len(hits) : nblocks] if b in free]
+            free = old + [b for b in free if b not in old]
+        fresh = free[: nblocks - len(hits)]
+        self._allocate(hits, fresh)
+        req.block_ids = hits + fresh
+        req.num_done = len(hits) * BLOCK_SIZE
+        req.read_from = req.delivered if req.num_done > req.delivered else None
+        req.preempted = False
+        req.kept = req.old_blocks = ()
+        self.m_resumed.append(req.req_id)
+
+    @precondition(lambda self: self.RESUME and self._resumable())
+    @rule(data=st.data())
+    def resume(self, data: st.DataObject) -> None:
+        """A preempted request is scheduled again (see `_resume`)."""
+        req = data.draw(st.sampled_from(sorted(self._resumable(), key=lambda r: r.writer)), label="resumed")
+        self._resume(req, data)
+
+    def _own_prefix(self, req: Req) -> list[int]:
+        """The leading blocks a preempted request fully computed that are not reused since."""
+        own: list[int] = []
+        for block, gen in req.kept:
+            if self.m_gen[block] != gen:
+                break
+            own.append(block)
+        return own
+
+    def _computed_blocks(self, req: Req) -> list[int]:
+        """Blocks a running or preempted request fully computed (and still holds, or that are not
+        reused since)."""
+        return self._own_prefix(req) if req.preempted else req.block_ids[: req.num_done // BLOCK_SIZE]
+
+    def _sharable(self) -> list[Req]:
+        candidates = self._running() + [r for r in self.m_live.values() if r.preempted]
+        return [r for r in candidates if self._computed_blocks(r)]
+
     @precondition(
         lambda self: (
-            len(self.m_outstanding) < STAGING_DEPTH - 1
-            and (self.m_new or any(r.scheduled and r.num_done < r.num_tokens for r in self.m_live.values()))
+            self.RESUME
+            and len(self.m_outstanding) <= STAGING_DEPTH - 3
+            and len(self._pending()) < 3
+            and self.m_free
+            and self._sharable()
         )
     )
     @rule(data=st.data())
+    def hit_then_recompute(self, data: st.DataObject) -> None:
+        """The late-read scenario with a resume: a new request hits blocks a running (or
+        preempted) request computed (their deferred rows may still be on the device, in its open
+        record), is saved and finishes; the other one is preempted and resumed below those
+        blocks, maybe recomputing into them (or past them, on the new request's block: rows it
+        never delivered come from the pool), and saved while the hit's step id is still
+        unconsumed (a later materialize must serve the rows the hit captured)."""
+        req = data.draw(st.sampled_from(sorted(self._sharable(), key=lambda r: r.writer)), label="computed_by")
+        computed = self._computed_blocks(req)
+        num_shared = data.draw(st.sampled_from([len(computed)]) | st.integers(1, len(computed)), label="num_shared")
+        free = [b for b in self.m_free if b not in computed[:num_shared]]
+        if not free:  # (the free list holds only the shared blocks of a preempted request)
+            return
+        fresh = data.draw(st.sampled_from(free), label="fresh")
+        last_block_tokens = data.draw(st.sampled_from(range(BLOCK_SIZE, 0, -1)), label="last_block_tokens")
+        self._add_request(computed[:num_shared], [fresh], last_block_tokens)
+        self._save_pending()
+        if not req.preempted:
+            self._preempt(req)
+        # Resumed past what it delivered, on rows the new request computed: they come from the pool.
+        past = [*computed[:num_shared], fresh]
+        nblocks = -(-req.num_tokens // BLOCK_SIZE)
+        if (
+            len(self.m_filled[fresh]) == BLOCK_SIZE
+            and len(past) * BLOCK_SIZE < req.num_tokens
+            and len([b for b in self.m_free if b not in past]) >= nblocks - len(past)
+            and data.draw(st.booleans(), label="resume_past")
+        ):
+            self._resume_with(req, past, data)
+        else:
+            below = data.draw(st.integers(0, num_shared - 1), label="hits_below")
+            if self._resume_plan(req, below) is None:
+                below = num_shared - 1  # (hits on blocks held by others make room)
+                if self._resume_plan(req, below) is None:
+                    return  # it stays preempted
+            self._resume(req, data, below)
+        order = []
+        for r in self._pending():
+            left = r.num_tokens - r.num_done
+            order.append((r, left if data.draw(st.booleans(), label="to_end") else data.draw(st.integers(1, left))))
+        self._save(order, 0)
+
+    @precondition(lambda self: len(self.m_outstanding) < STAGING_DEPTH - 1 and (self._pending() or self._running()))
+    @rule(data=st.data())
     def save_step(self, data: st.DataObject) -> None:
-        """One step: every new request and some running ones, each a chunk of its remaining tokens."""
-        running = [r for r in self.m_live.values() if r.scheduled and r.num_done < r.num_tokens]
-        chosen = [self.m_live[r] for r in self.m_new] + [r for r in running if data.draw(st.booleans())]
+        """One step: every new or resumed request and some running ones, each a chunk of its
+        remaining tokens."""
+        running = self._running()
+        chosen = self._pending() + [r for r in running if data.draw(st.booleans())]
         if not chosen:
             chosen = [running[0]]
         chosen = data.draw(st.permutations(chosen), label="order")
@@ -274,6 +492,7 @@ class CacheMachine(RuleBasedStateMachine):
         stats = self.cache.stats()
         assert stats.steps_outstanding == sorted(self.m_outstanding)
         assert (stats.hits, stats.misses) == (self.m_hits, self.m_misses)
+        assert stats.device_bytes <= DEVICE_BUDGET_BYTES or not self.DEFERRED, stats.device_bytes
 
     # ---- teardown ------------------------------------------------------------------------------
 
@@ -282,10 +501,11 @@ class CacheMachine(RuleBasedStateMachine):
         while True:
             self.cache.begin_step(StepEvents())  # reaps completions
             stats = self.cache.stats()
-            if not any(stats.staging_holders) and stats.tasks_live == 0:
+            if not any(stats.staging_holders) and stats.tasks_live == 0 and stats.device_bytes == 0:
                 return
             assert time.monotonic() < deadline, (
-                f"not idle after {timeout_s} s: holders {stats.staging_holders}, tasks {stats.tasks_live}"
+                f"not idle after {timeout_s} s: holders {stats.staging_holders}, tasks {stats.tasks_live}, "
+                f"device bytes {stats.device_bytes}"
             )
             time.sleep(0.002)
 
@@ -300,8 +520,7 @@ class CacheMachine(RuleBasedStateMachine):
             spare = [b for b in self.m_free if b not in full] or [b for b in self.m_free if b in full]
             if spare:
                 last = self._add_request([b for b in full if b != spare[0]], spare[:1], 1)
-                todo = [self.m_live[r] for r in self.m_new]
-                step_id = self._save([(r, r.num_tokens - r.num_done) for r in todo], 0)
+                step_id = self._save_pending()
                 assert last.req_id in self.m_outstanding[step_id].req_ids
                 self._check(step_id, self.m_outstanding[step_id].req_ids)
             for req_id in list(self.m_live):
@@ -312,6 +531,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert stats.steps_outstanding == []
             assert stats.preserved_entries == 0, stats
             assert stats.staging_holders == [[] for _ in range(STAGING_DEPTH)]
+            assert stats.deferred_open == 0 and stats.device_bytes == 0, stats
         finally:
             self.cache.close()
 
@@ -328,6 +548,32 @@ class MixedCacheMachine(CacheMachine):
     INLINE_WRITE_BYTES = 8 * 64
 
 
+class ResumeCacheMachine(MixedCacheMachine):
+    """Mixed writers, with requests preempted and resumed."""
+
+    RESUME = True
+
+
+class DeferredCacheMachine(CacheMachine):
+    """Preempt and resume, with a deferred key under a device budget that one full step fills:
+    open records are flushed early (oldest first), and a request that comes back has its open
+    record queued before it recomputes."""
+
+    RESUME = True
+    DEFERRED = True
+
+
+class DeferredThreadedCacheMachine(DeferredCacheMachine):
+    """The deferred machine with both writers: the committer writes flushed records while
+    reads are served from their clones."""
+
+    THREADED = True
+    INLINE_WRITE_BYTES = 8 * 64
+
+
 TestCacheStateMachineInline = CacheMachine.TestCase
 TestCacheStateMachineThreaded = ThreadedCacheMachine.TestCase
 TestCacheStateMachineMixed = MixedCacheMachine.TestCase
+TestCacheStateMachineResume = ResumeCacheMachine.TestCase
+TestCacheStateMachineDeferred = DeferredCacheMachine.TestCase
+TestCacheStateMachineDeferredThreaded = DeferredThreadedCacheMachine.TestCase
