@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -20,6 +21,16 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 # Small CPU tensors: intra-op threads only add contention on the 2-core test machines.
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def busy_switching(request: pytest.FixtureRequest):
+    """More thread switches per second (every 1e-4 s, or the indirect parameter), so more
+    interleavings of engine, committer and reader threads; restored after the test."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(getattr(request, "param", 1e-4))
+    yield
+    sys.setswitchinterval(before)
 
 
 def _has_cuda() -> bool:

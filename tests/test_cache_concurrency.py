@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 import queue
 import random
-import sys
 import threading
 import time
 from collections import Counter, OrderedDict, deque
@@ -386,15 +385,6 @@ def settle(cache: PrefixCache, timeout_s: float = 10.0) -> None:
             f"not idle after {timeout_s} s: holders {stats.staging_holders}, {stats.tasks_live} live tasks"
         )
         time.sleep(0.005)
-
-
-@pytest.fixture
-def busy_switching():
-    """More thread switches per second, so more interleavings of engine, committer and reader."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(1e-4)
-    yield
-    sys.setswitchinterval(before)
 
 
 def _check_run(cache: PrefixCache, counts: Counter[str], num_steps: int) -> None:

@@ -4,7 +4,6 @@ waits for its copies; inline mode for debugging; stats and the host footprint.""
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 
 import numpy as np
@@ -206,16 +205,8 @@ def test_pool_storage_is_allocated_on_first_sight_and_logged_once(caplog: pytest
     ]
 
 
-@pytest.fixture
-def frequent_thread_switches():
-    """Switches Python threads as often as the interpreter allows, for the test's duration."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    yield
-    sys.setswitchinterval(before)
-
-
-def test_flush_on_another_thread_while_the_engine_thread_steps(frequent_thread_switches) -> None:
+@pytest.mark.parametrize("busy_switching", [1e-6], indirect=True)  # as often as the interpreter allows
+def test_flush_on_another_thread_while_the_engine_thread_steps(busy_switching) -> None:
     # begin_step forgets written tasks while flush() on another thread scans them: both under
     # the ledger lock (a scan used to meet "dictionary changed size during iteration").
     errors: list[BaseException] = []
