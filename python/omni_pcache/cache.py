@@ -17,7 +17,6 @@ condition variable.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 import weakref
@@ -26,7 +25,7 @@ from typing import Any
 
 import torch
 
-from omni_pcache._native import Ledger, StagingSlots, StepIds, WriteTasks
+from omni_pcache._native import Ledger, StagingSlots, WriteTasks
 from omni_pcache.committer import Committer
 from omni_pcache.config import CacheConfig, CachePolicy
 from omni_pcache.copy_engine import CopyEngine, CopyHandle
@@ -37,7 +36,6 @@ from omni_pcache.errors import (
     ConfigError,
     InvalidInputError,
     PrefixCacheError,
-    StagingTimeoutError,
     TaskStateError,
     WriteFailedError,
     WriteTimeoutError,
@@ -51,13 +49,9 @@ from omni_pcache.preserve import PreservedRows
 from omni_pcache.reads import HitRead, HitReader
 from omni_pcache.snapshot import snapshot
 from omni_pcache.stats import CacheStats, Counters
+from omni_pcache.steps import StepPages
 from omni_pcache.validation import check_batch, check_events
 from omni_pcache.writes import PoolWriter, WriteRecord
-
-_STEP_ID_BASES = itertools.count()
-"""Each cache issues step ids from its own 2**40-wide range: an id kept across a rebuild (a
-vLLM runner re-initializing its KV cache) is refused by the new cache as never issued instead
-of naming one of its steps."""
 
 
 class PrefixCache:
@@ -74,7 +68,6 @@ class PrefixCache:
         self._cond = threading.Condition(threading.Lock())
         self._ledger = Ledger(config.num_slots)
         self._tasks = WriteTasks()
-        self._steps = StepIds(next(_STEP_ID_BASES) << 40)
         self._staging = StagingSlots(config.staging_depth)
         self._keys = KeyRegistry(policy, self._ledger.add_key)
         self._pool = HostPool(config.num_slots)
@@ -92,6 +85,9 @@ class PrefixCache:
             self._open_deferred,
         )
         self._counters = Counters()
+        self._steps = StepPages(
+            config, self._staging, self._reader, self._preserved, self._cond, self._counters.waited, self._closed_error
+        )
         self._outputs = OutputBuilder(self._pages, self._reader, self._copies, self._counters, config.claim_timeout_s)
         self._deferred = DeferredWrites(
             config, self._tasks, lambda: self._committer.notify(1), self._counters.waited, self._failure_or_none
@@ -99,8 +95,6 @@ class PrefixCache:
         self._records: dict[int, WriteRecord | DeferredRecord] = {}
         self._req_tasks: dict[str, set[int]] = {}
         self._delivery = DeliveryTracker(config.block_size)
-        self._step_records: dict[int, StepRecord] = {}
-        self._building: set[int] = set()  # consumed step ids whose materialize is under way (ledger lock)
         self._failure: WriteFailedError | None = None
         self._closed = False
         self._committer = Committer(self._tasks, self._write_tasks, self._on_write_failure, config.threaded)
@@ -149,6 +143,10 @@ class PrefixCache:
     def _failure_or_none(self) -> WriteFailedError | None:
         return self._failure
 
+    def _closed_error(self, message: str) -> PrefixCacheError:
+        """What a call cut short by a failure or close raises: the sticky failure, if any."""
+        return self._failure or CacheClosedError(message)
+
     def _check_usable(self) -> None:
         if self._failure is not None:
             raise self._failure
@@ -186,7 +184,7 @@ class PrefixCache:
                     flushed += self._deferred.close_open(req.req_id)
                 self._delivery.schedule(req.req_id, req.blocks, req.num_computed)
         except TaskStateError:  # a task the committer's failure failed meanwhile
-            raise self._failure or CacheClosedError("the cache is closed") from None
+            raise self._closed_error("the cache is closed") from None
         if flushed:
             self._committer.notify(flushed)
         if hits or misses:
@@ -219,8 +217,7 @@ class PrefixCache:
             self._pool.ensure(spec)
             if spec.name not in deferred_names:
                 self._pages.ensure(spec)
-        step_id = self._steps.issue()
-        page = self._claim_page(step_id)  # (consumes the step id itself when it raises)
+        step_id, page = self._steps.issue()
         try:
             copy = self._copies.start()
             sources: dict[str, torch.Tensor] = {}
@@ -233,18 +230,16 @@ class PrefixCache:
             handle = copy.finish()
             clones = self._deferred.clone_step(deferred, cached, shape)  # charges only if it returns
         except BaseException as exc:  # a leftover that cannot be copied, no device budget in time, ...
-            self._abandon_step(step_id, page)
-            if self._failure is not None:  # the committer failed meanwhile: every call raises that
-                raise self._failure from None
-            if isinstance(exc, CacheClosedError):
-                raise CacheClosedError("the cache was closed during save") from None
+            self._steps.abandon(step_id, page)
+            if self._failure is not None or isinstance(exc, CacheClosedError):  # every call raises the failure
+                raise self._closed_error("the cache was closed during save") from None
             raise
         try:
             records, from_pool, from_deferred = self._claim_rows(
                 step_id, page, shape, immediate, deferred, handle, clones
             )
         except CacheClosedError:  # (claims fail only when the cache failed or closed meanwhile)
-            raise self._failure or CacheClosedError("the cache was closed during save") from None
+            raise self._closed_error("the cache was closed during save") from None
         for spec, slots, versions in from_pool:
             rows = self._pool.read(spec.name, torch.tensor(slots, dtype=torch.int64))
             self._preserved.fill(spec.name, slots, versions, rows)
@@ -258,14 +253,14 @@ class PrefixCache:
                 rows[req_id] = (start, count, drop)
                 if read is not None:
                     hits[req_id] = self._reader.plan(req_id, read, specs)
-            self._step_records[step_id] = StepRecord(
+            self._steps.records[step_id] = StepRecord(
                 step_id, page, handle, shape.n, shape.n_padded, rows, list(cached), hits, kept_leftover, clones,
                 sources, threading.get_ident(), self._copies.epoch,
             )  # fmt: skip
         try:
             self._tasks.enqueue_many([record.task_id for record in records])
         except TaskStateError:  # the committer failed meanwhile and failed these tasks with the rest
-            raise self._failure or CacheClosedError("the cache was closed during save") from None
+            raise self._closed_error("the cache was closed during save") from None
         if self._write_here(records, shape.n, immediate, sources, handle):
             self._committer.write_now(len(records))
         else:
@@ -281,48 +276,6 @@ class PrefixCache:
             and n * sum(spec.row_bytes for spec in immediate) < self._config.inline_write_bytes
             and handle.done()
         )
-
-    def _abandon_step(self, step_id: int, page: int) -> None:
-        """Undoes a save that raised before claiming any rows (engine thread): its step id is
-        consumed and its staging page released, so a refused save holds nothing. Copies it
-        launched into the page land before any later step's (same stream, or the next fence)."""
-        self._steps.consume(step_id)
-        self._release_step_page(page, step_id)
-
-    def _release_step_page(self, page: int, step_id: int) -> None:
-        """Drops the step's hold on its staging page, unless a failure already released every
-        holder (under the ledger lock, as the failure path is, so the two cannot interleave)."""
-        with self._cond:
-            if not self._staging.closed:
-                self._staging.release(page, ("step", step_id))
-
-    def _claim_page(self, step_id: int) -> int:
-        try:
-            page = self._staging.try_claim(("step", step_id))
-            if page is not None:
-                return page
-        except CacheClosedError:
-            self._steps.consume(step_id)
-            raise self._failure or CacheClosedError("the cache is closed") from None
-        start = time.monotonic()
-        try:
-            return self._staging.claim(("step", step_id), self._config.claim_timeout_s)
-        except StagingTimeoutError as exc:
-            self._steps.consume(step_id)
-            unconsumed = self._steps.outstanding()
-            err = StagingTimeoutError(
-                f"save waited {self._config.claim_timeout_s:g} s for a free staging page; "
-                f"{len(unconsumed)} step ids are unconsumed: {unconsumed} (each must be materialized "
-                f"or discarded; staging_depth={self._config.staging_depth}); page holders: {exc.holders}"
-            )
-            err.holders = exc.holders
-            err.unconsumed = unconsumed
-            raise err from None
-        except CacheClosedError:
-            self._steps.consume(step_id)
-            raise self._failure or CacheClosedError("the cache is closed") from None
-        finally:
-            self._counters.waited(time.monotonic() - start)
 
     def _claim_rows(self, step_id, page, shape, immediate, deferred, handle, clones):
         """Creates one write task per request for the immediate keys and extends each request's
@@ -441,7 +394,7 @@ class PrefixCache:
                     self._ledger.abandon(task_id)
                 except InvalidInputError:
                     pass
-            for hit_owner in self._step_records.values():
+            for hit_owner in self._steps.records.values():
                 for hit in hit_owner.hits.values():
                     self._reader.release(hit)
             for record in self._records.values():
@@ -477,35 +430,6 @@ class PrefixCache:
                 self._cond.wait(remaining)
         self._counters.waited(time.monotonic() - start)
 
-    def _take_step(self, step_id: int, req_ids: Sequence[str] | None) -> StepRecord:
-        self._check_usable()
-        if isinstance(step_id, bool) or not isinstance(step_id, int):
-            raise InvalidInputError(f"step_id must be an int, got {step_id!r}")
-        record = self._step_records.get(step_id)
-        if record is not None and req_ids is not None:
-            missing = [r for r in req_ids if r not in record.rows]
-            if missing:
-                raise InvalidInputError(
-                    f"requests {missing} were not in step {step_id}; its requests: {list(record.rows)}"
-                )
-        with self._cond:  # (atomic with `_finish_step`'s bound on the preserved rows)
-            self._steps.consume(step_id)  # raises StepIdError for a second or unknown consumption
-            self._building.add(step_id)
-            return self._step_records.pop(step_id)
-
-    def _finish_step(self, record: StepRecord) -> None:
-        """Releases a consumed step's reads, and the preserved rows no step can need any more:
-        those created up to the oldest step still outstanding or still being materialized on
-        some thread (its id is consumed, but its reads are not served yet)."""
-        with self._cond:
-            for hit in record.hits.values():
-                self._reader.release(hit)
-            self._building.discard(record.step_id)
-            outstanding = self._steps.outstanding()
-            live = outstanding[:1] + list(self._building)
-            self._preserved.drop_through(min(live) if live else None)
-        self._release_step_page(record.page, record.step_id)
-
     def materialize(self, step_id: int, req_ids: Sequence[str]) -> StepOutputs:
         """Per-request outputs of step ``step_id`` (any thread, exactly once per step id).
 
@@ -516,16 +440,18 @@ class PrefixCache:
         unknown id, `InvalidInputError` for a request that was not in the step (the id is then
         not consumed).
         """
+        self._check_usable()
         req_ids = list(req_ids)  # (an iterator would be spent by the check below)
-        record = self._take_step(step_id, req_ids)
+        record = self._steps.take(step_id, req_ids)
         try:
             return self._outputs.build(record, req_ids)
         finally:
-            self._finish_step(record)
+            self._steps.finish(record)
 
     def discard(self, step_id: int) -> None:
         """Consumes a step id whose outputs nobody needs (any thread). Writes still land."""
-        self._finish_step(self._take_step(step_id, None))
+        self._check_usable()
+        self._steps.finish(self._steps.take(step_id, None))
 
     # ---- engine thread housekeeping and stats ------------------------------------------
 
@@ -565,7 +491,7 @@ class PrefixCache:
             staging_holders=self._staging.holders(),
             pool_bytes=self._pool.nbytes(),
             staging_bytes=self._pages.nbytes(),
-            steps_outstanding=self._steps.outstanding(),
+            steps_outstanding=self._steps.ids.outstanding(),
             tasks_live=len(self._tasks),
             preserved_entries=len(self._preserved),
             device_bytes=self._deferred.budget.used,

@@ -1,0 +1,135 @@
+"""Step ids and their staging pages, from `PrefixCache.save` to the one consumption.
+
+A save issues a step id and claims a staging page for it (``("step", id)`` holds the page
+until the id is consumed); `take` consumes the id exactly once (materialize or discard, any
+thread) and `finish` releases the step's hit reads, its page, and the preserved rows no step
+can need any more. A step whose id is consumed but whose reads are still being served (a
+materialize under way) still bounds that drop, as an outstanding one does.
+
+Threads: `issue` and `abandon` on the engine thread; `take` and `finish` on any thread. The
+step records, the set of steps being materialized and the page releases are guarded by the
+cache's ledger lock (shared ``cond``), as the failure path that releases every page is.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from omni_pcache._native import StagingSlots, StepIds
+from omni_pcache.config import CacheConfig
+from omni_pcache.errors import CacheClosedError, InvalidInputError, PrefixCacheError, StagingTimeoutError
+from omni_pcache.outputs import StepRecord
+from omni_pcache.preserve import PreservedRows
+from omni_pcache.reads import HitReader
+
+_STEP_ID_BASES = itertools.count()
+"""Each cache issues step ids from its own 2**40-wide range: an id kept across a rebuild (a
+vLLM runner re-initializing its KV cache) is refused by the new cache as never issued instead
+of naming one of its steps."""
+
+
+class StepPages:
+    """The outstanding step ids, their records and their staging pages (see the module doc)."""
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        staging: StagingSlots,
+        reader: HitReader,
+        preserved: PreservedRows,
+        cond: threading.Condition,
+        waited: Callable[[float], None],
+        closed_error: Callable[[str], PrefixCacheError],
+    ) -> None:
+        self._config = config
+        self._staging = staging
+        self._reader = reader
+        self._preserved = preserved
+        self._cond = cond
+        self._waited = waited  # records a blocking wait in the stats
+        self._closed_error = closed_error  # the sticky failure, else CacheClosedError(message)
+        self.ids = StepIds(next(_STEP_ID_BASES) << 40)
+        self.records: dict[int, StepRecord] = {}  # saved, not yet consumed (ledger lock)
+        self._building: set[int] = set()  # consumed, materialize under way (ledger lock)
+
+    def issue(self) -> tuple[int, int]:
+        """A new step id and its staging page (engine thread). Waits for a free page up to
+        ``claim_timeout_s``; on failure the id is consumed again and nothing is held."""
+        step_id = self.ids.issue()
+        holder = ("step", step_id)
+        try:
+            page = self._staging.try_claim(holder)
+            if page is not None:
+                return step_id, page
+        except CacheClosedError:
+            self.ids.consume(step_id)
+            raise self._closed_error("the cache is closed") from None
+        start = time.monotonic()
+        try:
+            return step_id, self._staging.claim(holder, self._config.claim_timeout_s)
+        except StagingTimeoutError as exc:
+            self.ids.consume(step_id)
+            unconsumed = self.ids.outstanding()
+            err = StagingTimeoutError(
+                f"save waited {self._config.claim_timeout_s:g} s for a free staging page; "
+                f"{len(unconsumed)} step ids are unconsumed: {unconsumed} (each must be materialized "
+                f"or discarded; staging_depth={self._config.staging_depth}); page holders: {exc.holders}"
+            )
+            err.holders = exc.holders
+            err.unconsumed = unconsumed
+            raise err from None
+        except CacheClosedError:
+            self.ids.consume(step_id)
+            raise self._closed_error("the cache is closed") from None
+        finally:
+            self._waited(time.monotonic() - start)
+
+    def abandon(self, step_id: int, page: int) -> None:
+        """Undoes a save that raised before claiming any rows (engine thread): its step id is
+        consumed and its staging page released, so a refused save holds nothing. Copies it
+        launched into the page land before any later step's (same stream, or the next fence)."""
+        self.ids.consume(step_id)
+        self._release_page(page, step_id)
+
+    def take(self, step_id: int, req_ids: Sequence[str] | None) -> StepRecord:
+        """Consumes ``step_id`` (any thread) and returns its record. Raises `InvalidInputError`
+        for a request that was not in the step (the id is then not consumed), `StepIdError` for
+        a consumed or unknown id."""
+        if isinstance(step_id, bool) or not isinstance(step_id, int):
+            raise InvalidInputError(f"step_id must be an int, got {step_id!r}")
+        record = self.records.get(step_id)
+        if record is not None and req_ids is not None:
+            missing = [r for r in req_ids if r not in record.rows]
+            if missing:
+                raise InvalidInputError(
+                    f"requests {missing} were not in step {step_id}; its requests: {list(record.rows)}"
+                )
+        with self._cond:  # (atomic with `finish`'s bound on the preserved rows)
+            self.ids.consume(step_id)  # raises StepIdError for a second or unknown consumption
+            self._building.add(step_id)
+            return self.records.pop(step_id)
+
+    def finish(self, record: StepRecord) -> None:
+        """Releases a consumed step's reads, and the preserved rows no step can need any more:
+        those created up to the oldest step still outstanding or still being materialized on
+        some thread (its id is consumed, but its reads are not served yet); then its page."""
+        with self._cond:
+            for hit in record.hits.values():
+                self._reader.release(hit)
+            self._building.discard(record.step_id)
+            live = self.ids.outstanding()[:1] + list(self._building)
+            self._preserved.drop_through(min(live) if live else None)
+        self._release_page(record.page, record.step_id)
+
+    def _release_page(self, page: int, step_id: int) -> None:
+        """Drops the step's hold on its staging page, unless a failure already released every
+        holder (under the ledger lock, as the failure path is, so the two cannot interleave)."""
+        with self._cond:
+            if not self._staging.closed:
+                self._staging.release(page, ("step", step_id))
+
+
+__all__ = ["StepPages"]
