@@ -5,8 +5,10 @@ Uses step_overhead.py's workload (block 16, 4,096 blocks, 8 requests per step, h
 the step's rows on the GPU, at 512, 2,048 and 8,192 tokens per step:
 
 1. device→host GB/s of the save path (``save`` until its side-stream copy has landed, i.e.
-   ``save(); torch.cuda.synchronize()``) vs a raw pinned ``copy_(non_blocking=True)`` of the
-   same bytes (goal ≥ 90%);
+   ``save(); torch.cuda.synchronize()``, wall clock) vs a raw pinned ``copy_(non_blocking=True)``
+   of the same bytes (goal ≥ 90%); and the same two in device time (CUDA timing events around
+   the save's side-stream copies, and around the raw copy), which leaves out save's host-side
+   bookkeeping;
 2. engine-thread time per step: ``save`` alone and ``begin_step + save`` (goal: save ≤ 50 µs
    at every size; it only launches the copy);
 3. cache on vs off at 0% hits: per-step wall of a GPU stand-in forward (bf16 matmuls) plus
@@ -53,27 +55,46 @@ class DeviceRows:
         return self.hidden[st.row_offset : st.row_offset + n], self.mm[st.row_offset : st.row_offset + n]
 
 
-def raw_copy_s(h: torch.Tensor, m: torch.Tensor, device: str, repeat: int) -> float:
-    pin = device == "cuda"
-    ph = torch.empty(h.shape, dtype=h.dtype, pin_memory=pin)
-    pm = torch.empty(m.shape, dtype=m.dtype, pin_memory=pin)
-    times = []
+def raw_copy_s(h: torch.Tensor, m: torch.Tensor, device: str, repeat: int) -> tuple[float, float | None]:
+    """Median seconds of a raw pinned non-blocking copy of the same two tensors: wall clock
+    (launch to synchronize) and, on CUDA, device time between events around the copies."""
+    cuda = device == "cuda"
+    ph = torch.empty(h.shape, dtype=h.dtype, pin_memory=cuda)
+    pm = torch.empty(m.shape, dtype=m.dtype, pin_memory=cuda)
+    times, device_times = [], []
     for _ in range(repeat + 2):
         sync(device)
+        if cuda:
+            start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
         t0 = time.perf_counter()
         ph.copy_(h, non_blocking=True)
         pm.copy_(m, non_blocking=True)
+        if cuda:
+            done.record()
         sync(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[2:])
+        if cuda:
+            device_times.append(start.elapsed_time(done) / 1e3)
+    return statistics.median(times[2:]), (statistics.median(device_times[2:]) if cuda else None)
+
+
+def copy_device_s(cache: Any) -> float | None:
+    """Device time of the save's side-stream copies since the last call (timing events; the
+    step's copies have completed), or None when none were timed (CPU rows)."""
+    timed, cache._copies.timed = cache._copies.timed, []
+    if not timed:
+        return None
+    return sum(start.elapsed_time(done) for start, done in timed) / 1e3
 
 
 def save_path(size: int, num_steps: int, rows: DeviceRows, device: str, num_blocks: int, prefix: int) -> dict:
     """Save-path D2H bandwidth and engine-thread times for one step size."""
     warm, steps = make_steps(size, num_steps, num_blocks, prefix, rows.cpu.hidden.shape[0] // 2)
     side = Ours(num_blocks, max(size, warm.n))
-    begin_s, save_s, d2h_s, mat_s = [], [], [], []
+    begin_s, save_s, d2h_s, mat_s, copy_s = [], [], [], [], []
     check_at = {0, len(steps) // 2, len(steps) - 1}
+    side.cache._copies.timing = True  # bench-only: timing events around each step's side-stream copies
     try:
         h, m = rows.step(warm)
         side.materialize(side.step(warm, h, m), warm)
@@ -89,6 +110,9 @@ def save_path(size: int, num_steps: int, rows: DeviceRows, device: str, num_bloc
             t2 = time.perf_counter()
             sync(device)
             t3 = time.perf_counter()
+            device_copy = copy_device_s(side.cache)
+            if device_copy is not None:
+                copy_s.append(device_copy)
             got_h, got_m = side.materialize(sid, st)
             t4 = time.perf_counter()
             begin_s.append(t1 - t0)
@@ -102,14 +126,18 @@ def save_path(size: int, num_steps: int, rows: DeviceRows, device: str, num_bloc
     skip = len(steps) // 5
     h, m = rows.step(steps[-1])
     nbytes = h.numel() * h.element_size() + m.numel() * m.element_size()
-    raw = raw_copy_s(h, m, device, repeat=20)
+    raw, raw_device = raw_copy_s(h, m, device, repeat=20)
     d2h = statistics.median(d2h_s[skip:])
+    copy_device = statistics.median(copy_s[skip:]) if copy_s[skip:] else None
     return {
         "step_tokens": size,
         "step_bytes": nbytes,
         "raw_pinned_copy_gbps": nbytes / raw / 1e9,
         "save_path_d2h_gbps": nbytes / d2h / 1e9,
         "save_path_vs_raw": raw / d2h,
+        "raw_pinned_copy_device_gbps": nbytes / raw_device / 1e9 if raw_device else None,
+        "save_copy_device_gbps": nbytes / copy_device / 1e9 if copy_device else None,
+        "save_copy_vs_raw_device": raw_device / copy_device if raw_device and copy_device else None,
         "engine_thread_save_us": statistics.median(save_s[skip:]) * 1e6,
         "engine_thread_begin_plus_save_us": statistics.median(
             [b + s for b, s in zip(begin_s[skip:], save_s[skip:], strict=True)]
@@ -223,6 +251,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['engine_thread_save_us']:.0f} us (begin+save {row['engine_thread_begin_plus_save_us']:.0f} us)",
             flush=True,
         )
+        if row["save_copy_vs_raw_device"] is not None:
+            print(
+                f"{'':>9}device time: raw copy {row['raw_pinned_copy_device_gbps']:.1f} GB/s, save's side-stream "
+                f"copies {row['save_copy_device_gbps']:.1f} GB/s ({row['save_copy_vs_raw_device']:.0%})",
+                flush=True,
+            )
     for size in sizes:
         row = on_vs_off(size, num_steps, rows, args.device, num_blocks, prefix, width)
         overheads.append(row)

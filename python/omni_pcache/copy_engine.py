@@ -96,6 +96,7 @@ class StepCopy:
     _stream: torch.cuda.Stream | None = None
     _device: torch.device | None = None
     _host: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    _started: torch.cuda.Event | None = None
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         if self._stream is None:
@@ -104,6 +105,9 @@ class StepCopy:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(device))
             self._stream.wait_event(ready)
+            if self.engine.timing:
+                self._started = torch.cuda.Event(enable_timing=True)
+                self._started.record(self._stream)
         elif device != self._device:
             raise ValueError(f"one step's tensors must share one CUDA device ({self._device} vs {device})")
         return self._stream
@@ -143,16 +147,25 @@ class StepCopy:
             self.engine.remember_host(host)
         if self._stream is None:
             return CopyHandle(None, host)
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(enable_timing=self._started is not None)
         done.record(self._stream)
         self.engine.remember(self._device, done)
+        if self._started is not None:
+            self.engine.timed.append((self._started, done))
         return CopyHandle(done, host)
 
 
 class CopyEngine:
-    """Owns one side stream per CUDA device and the fence of the last step's copies."""
+    """Owns one side stream per CUDA device and the fence of the last step's copies.
+
+    ``timing`` (off by default; benchmarks turn it on): each step's device→host copies are
+    bracketed by timing events on the side stream, appended to ``timed`` as (start, done) for
+    the caller to read with ``start.elapsed_time(done)`` once ``done`` has completed; the
+    caller empties the list."""
 
     def __init__(self) -> None:
+        self.timing = False
+        self.timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._last: dict[torch.device, torch.cuda.Event] = {}
         self._last_host: list[HostCopy] = []
