@@ -90,43 +90,30 @@ class CopyHandle:
 
 @dataclass
 class StepCopy:
-    """The copies of one step, launched in order; `finish` returns their handle."""
+    """The copies of one step. CPU copies are made now (small) or handed to a `HostCopy`;
+    device→host copies are collected and launched back to back by `finish`, on the side stream
+    after the compute stream's work so far, so the copy engine is not left idle between one
+    key's copy and the next while the host does bookkeeping. `finish` returns their handle."""
 
     engine: CopyEngine
-    _stream: torch.cuda.Stream | None = None
     _device: torch.device | None = None
+    _cuda: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     _host: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    _started: torch.cuda.Event | None = None
-
-    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        if self._stream is None:
-            self._device = device
-            self._stream = self.engine.side_stream(device)
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(device))
-            self._stream.wait_event(ready)
-            if self.engine.timing:
-                self._started = torch.cuda.Event(enable_timing=True)
-                self._started.record(self._stream)
-        elif device != self._device:
-            raise ValueError(f"one step's tensors must share one CUDA device ({self._device} vs {device})")
-        return self._stream
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src)``: on the side stream for a CUDA source, else a deferred host copy
-        (or now, when it is small)."""
+        """``dst.copy_(src)``: for a CUDA source, at `finish` on the side stream; else a deferred
+        host copy (or now, when it is small). Raises `ValueError` for a second CUDA device."""
         if not src.is_cuda:
             if src.numel() * src.element_size() < INLINE_COPY_BYTES:
                 dst.copy_(src)
             else:
                 self._host.append((dst, src))
             return
-        stream = self._side_stream(src.device)
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
-        # The caching allocator must not hand src's memory to the compute stream before
-        # the side stream has read it.
-        src.record_stream(stream)
+        if self._device is None:
+            self._device = src.device
+        elif src.device != self._device:
+            raise ValueError(f"one step's tensors must share one CUDA device ({self._device} vs {src.device})")
+        self._cuda.append((dst, src))
 
     def snapshot(self, src: torch.Tensor) -> torch.Tensor:
         """A host copy of ``src`` (valid after the step's handle is waited; a CPU source is
@@ -139,19 +126,36 @@ class StepCopy:
         return dst
 
     def finish(self) -> CopyHandle:
-        """Records completion of every copy launched so far."""
+        """Launches the collected device→host copies and records their completion, with every
+        CPU copy handed over so far."""
         host = None
         if self._host:
             host = HostCopy(self._host)
             self._host = []
             self.engine.remember_host(host)
-        if self._stream is None:
+        if not self._cuda:
             return CopyHandle(None, host)
-        done = torch.cuda.Event(enable_timing=self._started is not None)
-        done.record(self._stream)
-        self.engine.remember(self._device, done)
-        if self._started is not None:
-            self.engine.timed.append((self._started, done))
+        device, pairs, self._cuda = self._device, self._cuda, []
+        stream = self.engine.side_stream(device)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(device))
+        stream.wait_event(ready)
+        started = None
+        if self.engine.timing:
+            started = torch.cuda.Event(enable_timing=True)
+            started.record(stream)
+        with torch.cuda.stream(stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+        done = torch.cuda.Event(enable_timing=started is not None)
+        done.record(stream)
+        for _, src in pairs:
+            # The caching allocator must not hand src's memory to the compute stream before
+            # the side stream has read it.
+            src.record_stream(stream)
+        self.engine.remember(device, done)
+        if started is not None:
+            self.engine.timed.append((started, done))
         return CopyHandle(done, host)
 
 
