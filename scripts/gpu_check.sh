@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, as one script for a machine with CUDA and torch but no registry access:
-# installs the carried abi3 wheel offline, runs the cuda-marked tests, then the copy check and
+# installs the carried abi3 wheel offline, runs the cuda-marked tests (the differential harness
+# over OMNI_PCACHE_CUDA_SEEDS seeds per scenario among them), then the copy check and
 # the GPU benchmark, then (time-boxed) the rest of the default suite with CUDA present, where
 # host buffers are pinned. Build the wheel first with `just gpu-wheels` (into dist/gpu).
 # A failing step does not stop the later ones; the exit status says whether any failed.
@@ -23,7 +24,9 @@ step() {
     export PYTHONPATH=/tmp/omni-site PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
     python3 -c 'import omni_pcache, torch; print("omni_pcache", omni_pcache.__file__, "torch", torch.__version__, "cuda", torch.cuda.is_available())'
-    step python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py
+    # The cuda tests, and the differential harness with the engine's outputs in CUDA buffers.
+    OMNI_PCACHE_CUDA_SEEDS=${OMNI_PCACHE_CUDA_SEEDS:-8} step python3 -m pytest -q -m cuda -p no:cacheprovider \
+        tests/test_cuda.py tests/test_engine_differential.py
     step python3 benches/copy_check.py
     step python3 benches/gpu.py
     step timeout "${GPU_CHECK_SUITE_S:-150}" python3 -m pytest -q -m "not slow and not cuda" -p no:cacheprovider \

@@ -18,6 +18,7 @@ from omni_pcache.engine import Engine, EngineConfig, make_workload
 from omni_pcache.engine.compare import compare
 
 SOAK_SEEDS = int(os.environ.get("OMNI_PCACHE_SOAK_SEEDS", "0"))
+CUDA_SEEDS = int(os.environ.get("OMNI_PCACHE_CUDA_SEEDS", "2"))  # `just gpu-check` runs more
 
 # (name, engine config, workload, requests, abort rate)
 SCENARIOS = [
@@ -67,6 +68,7 @@ def check(config, workload, num_requests, seed, abort_rate):
     assert stats.staging_holders == [[]] * len(stats.staging_holders), "every staging page free at the end"
     assert stats.steps_outstanding == []
     assert stats.device_bytes == 0 and stats.deferred_open == 0, "device budget back to 0 bytes"
+    assert all(out.leftover_off_host == 0 for out in cached.outputs.values()), "leftovers come back on the host"
     return cached, result
 
 
@@ -93,6 +95,32 @@ def test_transformer_rows_equal_the_reference_within_tolerance(name, config, wor
     cached, result = check(replace(config, model="transformer"), workload, 30, 7, abort_rate)
     assert 0.0 <= result.max_abs_diff <= 1e-5
     assert cached.hit_tokens > 0
+
+
+@pytest.mark.parametrize(
+    ("name", "config", "workload", "num_requests", "abort_rate"), SCENARIOS, ids=[s[0] for s in SCENARIOS]
+)
+def test_rows_saved_from_reused_output_buffers_equal_the_reference(name, config, workload, num_requests, abort_rate):
+    # The engine copies each step's outputs into the same padded buffers, overwritten right
+    # after the next begin_step: the cache must have its own copy by then.
+    config = replace(config, model="prefix-hash", output_device="cpu")
+    cached, result = check(config, workload, num_requests, 0, abort_rate)
+    assert result.rows_checked > 0 and cached.hit_tokens > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("seed", range(CUDA_SEEDS))
+@pytest.mark.parametrize(
+    ("name", "config", "workload", "num_requests", "abort_rate"), SCENARIOS, ids=[s[0] for s in SCENARIOS]
+)
+def test_rows_saved_from_cuda_buffers_equal_the_reference(name, config, workload, num_requests, abort_rate, seed):
+    # The CUDA path end to end: side-stream copies out of persistent device buffers that the
+    # next step refills after a GPU delay, deferred keys cloned on the device, leftovers
+    # snapshotted to the host, materialize a step late (on another thread in some scenarios).
+    model = "transformer" if seed % 4 == 3 else "prefix-hash"
+    config = replace(config, model=model, output_device="cuda")
+    _, result = check(config, workload, num_requests, seed, abort_rate)
+    assert result.rows_checked > 0
 
 
 def test_a_broken_cache_is_caught_by_the_harness() -> None:

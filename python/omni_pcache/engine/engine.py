@@ -48,6 +48,10 @@ class EngineConfig:
     output_thread: bool = False
     deferred_proj: bool = False  # keep the "proj" key on the device until its request finishes
     device_budget_bytes: int = 512 << 20
+    # None: the model's output tensors go to save as they are. A device ("cpu", "cuda", ...):
+    # they are copied into persistent buffers on it, reused every step as vLLM's runner reuses
+    # its own (see `OutputBuffers`).
+    output_device: str | None = None
     seed: int = 0
     max_steps: int = 100_000
 
@@ -59,6 +63,7 @@ class RequestOutput:
     hidden: list[torch.Tensor] = field(default_factory=list)
     proj: list[torch.Tensor] = field(default_factory=list)
     leftover_seen: int = 0
+    leftover_off_host: int = 0  # returned leftovers holding a tensor not on the host
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.cat(self.hidden), torch.cat(self.proj)
@@ -77,6 +82,43 @@ class EngineResult:
     evictions: int
     wall_s: float
     cache_stats: CacheStats | None
+
+
+class OutputBuffers:
+    """Persistent per-step output buffers on one device, as a vLLM runner keeps them: each
+    step's rows are copied into the front of the same tensors (on the compute stream) and
+    handed to `PrefixCache.save` padded to a multiple of 8 rows (a CUDA-graph bucket); the
+    next step overwrites them right after its `begin_step`. The cache must therefore hold its
+    own copy by then, and, on CUDA, its side-stream copy must wait for the fill: each fill
+    first holds the compute stream for a while (``torch.cuda._sleep``), so a copy that ran
+    early would read the previous step's rows. Engine thread only."""
+
+    PAD = 8
+    DELAY_CYCLES = 200_000  # ~0.1 ms of GPU time per step
+
+    def __init__(self, device: str, capacity: int) -> None:
+        self.device = torch.device(device)
+        self.capacity = capacity + self.PAD
+        self._hidden: torch.Tensor | None = None
+        self._proj: torch.Tensor | None = None
+
+    def fill(self, hidden: torch.Tensor, proj: torch.Tensor, leftover: object) -> tuple[torch.Tensor, dict, int]:
+        """The step's rows in the buffers: (padded hidden, mm, padded row count)."""
+        n = hidden.shape[0]
+        if self._hidden is None:
+            self._hidden = torch.zeros((self.capacity, *hidden.shape[1:]), dtype=hidden.dtype, device=self.device)
+            self._proj = torch.zeros((self.capacity, *proj.shape[1:]), dtype=proj.dtype, device=self.device)
+        assert self._proj is not None
+        if self.device.type == "cuda" and hasattr(torch.cuda, "_sleep"):
+            torch.cuda._sleep(self.DELAY_CYCLES)
+        self._hidden[:n].copy_(hidden, non_blocking=True)
+        self._proj[:n].copy_(proj, non_blocking=True)
+        padded = min(n + (-n) % self.PAD, self.capacity)
+        self._hidden[n:padded].fill_(float("nan"))  # padding rows: never part of an output
+        self._proj[n:padded].fill_(-1)
+        if isinstance(leftover, dict):
+            leftover = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in leftover.items()}
+        return self._hidden[:padded], {"proj": self._proj[:padded], "step_info": leftover}, padded
 
 
 class Engine:
@@ -106,6 +148,9 @@ class Engine:
             )
             deferred = frozenset({"proj"}) if config.deferred_proj else frozenset()
             self.cache = PrefixCache(cache_config, CachePolicy(token_keys=frozenset({"proj"}), deferred_keys=deferred))
+        self.buffers: OutputBuffers | None = None
+        if config.output_device is not None and self.cache is not None:
+            self.buffers = OutputBuffers(config.output_device, config.max_num_batched_tokens)
         self.outputs: dict[str, RequestOutput] = {}
         self._reference_rows: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._lock = threading.Lock()
@@ -122,6 +167,10 @@ class Engine:
                 rec.hidden.append(out.hidden[req_id])
                 rec.proj.append(out.mm["proj"][req_id])
                 rec.leftover_seen += 1
+                leftover = out.mm["step_info"][req_id]
+                rec.leftover_off_host += any(
+                    isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in leftover.values()
+                )
 
     def _output_worker(self, inbox: queue.Queue) -> None:
         while (item := inbox.get()) is not None:
@@ -205,12 +254,16 @@ class Engine:
                     out = self.model.forward(batch)
                     tokens_computed += sched.num_tokens
                     if self.cache is not None:
+                        hidden, mm, padded = out.hidden, out.mm, None
+                        if self.buffers is not None:
+                            hidden, mm, padded = self.buffers.fill(out.hidden, out.mm["proj"], out.mm["step_info"])
                         step_batch = StepBatch(
                             [r.req_id for r, _ in sched.scheduled],
                             [n for _, n in sched.scheduled],
                             batch.slot_mapping,
+                            padded,
                         )
-                        step_id = self.cache.save(out.hidden, out.mm, step_batch)
+                        step_id = self.cache.save(hidden, mm, step_batch)
                         if previous is not None:
                             self._hand_off(previous, inbox)
                         previous = (step_id, step_batch.req_ids)
