@@ -42,7 +42,12 @@ class Committer:
         self._write = write
         self._on_failure = on_failure
         self._threaded = threaded
-        self._wake = threading.Semaphore(0)
+        # A binary wake-up: held while no wake-up is pending; released to wake the committer.
+        # A plain lock rather than a Semaphore: releasing it costs the engine thread ~9 µs
+        # where a Semaphore's release (its condition variable, whose lock the woken thread
+        # takes back) cost ~28 µs when the committer then runs a GIL-releasing copy.
+        self._wake = threading.Lock()
+        self._wake.acquire()
         # Held while popping and writing a batch: whichever thread drains (the committer, or the
         # engine thread in `write_now`) is the pool's only writer meanwhile, in pop order.
         self._writing = threading.Lock()
@@ -64,9 +69,17 @@ class Committer:
         awake: it drains every queued task and checks the queue again before sleeping."""
         if self._threaded:
             if num_tasks > 0 and self._sleeping:
-                self._wake.release()
+                self._wake_up()
         else:
             self._drain()
+
+    def _wake_up(self) -> None:
+        """Makes one wake-up pending (any thread); a second before the committer takes the first
+        is one wake-up, as the committer drains everything queued once awake."""
+        try:
+            self._wake.release()
+        except RuntimeError:  # already pending
+            pass
 
     def write_now(self, num_tasks: int) -> None:
         """Writes what is queued on the calling thread (engine thread, for a small step whose
@@ -119,7 +132,7 @@ class Committer:
         """Writes what is queued, then ends the thread. Idempotent."""
         self._stopping = True
         if self._thread is not None:
-            self._wake.release()
+            self._wake_up()
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 logger.warning("omni_pcache: committer did not stop within %.1f s", timeout_s)

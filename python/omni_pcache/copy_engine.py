@@ -141,10 +141,10 @@ class StepCopy:
         ready.record(torch.cuda.current_stream(device))
         stream.wait_event(ready)
         started = None
-        if self.engine.timing:
-            started = torch.cuda.Event(enable_timing=True)
-            started.record(stream)
         with torch.cuda.stream(stream):
+            if self.engine.timing:  # right before the copies, as a raw copy would be timed
+                started = torch.cuda.Event(enable_timing=True)
+                started.record(stream)
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
         done = torch.cuda.Event(enable_timing=started is not None)
