@@ -11,7 +11,8 @@ the step's rows on the GPU, at 512, 2,048 and 8,192 tokens per step:
    bookkeeping;
 2. engine-thread time per step: ``save`` alone and ``begin_step + save`` (goal: save ≤ 50 µs
    at every size; it only launches the copy);
-3. cache on vs off at 0% hits: per-step wall of a GPU stand-in forward (bf16 matmuls) plus
+3. cache on vs off at 0% hits: per-step wall of a GPU stand-in forward (a 24-layer width-2,048
+   transformer's bf16 matmuls, ~1.2B parameters' worth; `stand_in_forward`) plus
    output delivery — off: the step's rows copied to host for the output path; on:
    ``begin_step`` + forward + ``save`` + ``materialize`` of the previous step (one step late,
    as an async output path does). Same rows, no request hits.
@@ -173,17 +174,35 @@ def no_hit_steps(steps: list[Step]) -> list[Step]:
     return out
 
 
-def on_vs_off(size: int, num_steps: int, rows: DeviceRows, device: str, num_blocks: int, prefix: int, width: int):
-    """Per-step wall at 0% hits: forward + delivery, with the cache vs without."""
-    warm, steps = make_steps(size, num_steps, num_blocks, prefix, rows.cpu.hidden.shape[0] // 2)
-    steps = no_hit_steps(steps)
-    weight = torch.randn(width, width, device=device).to(rows.hidden.dtype) / width**0.5
+def stand_in_forward(width: int, layers: int, dtype: torch.dtype, device: str):
+    """A transformer's matmuls at ``width`` (no attention): per layer a fused QKV projection,
+    the output projection and a 4x MLP, weights shared across layers (the FLOPs of a
+    ``12 * layers * width**2``-parameter model; 24 layers at width 2,048: ~1.2B)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def weight(rows: int, cols: int) -> torch.Tensor:
+        return (torch.randn(rows, cols, device=device, generator=gen) * (0.5 / rows**0.5)).to(dtype)
+
+    qkv, out = weight(width, 3 * width), weight(width, width)
+    up, down = weight(width, 4 * width), weight(4 * width, width)
 
     def forward(h: torch.Tensor) -> torch.Tensor:
         x = h
-        for _ in range(4):  # a few layers' worth of bf16 matmuls
-            x = torch.mm(x, weight)
+        for _ in range(layers):
+            x = x + torch.mm(torch.mm(x, qkv)[:, :width], out)
+            x = x + torch.mm(torch.relu(torch.mm(x, up)), down)
         return x
+
+    return forward
+
+
+def on_vs_off(
+    size: int, num_steps: int, rows: DeviceRows, device: str, num_blocks: int, prefix: int, width: int, layers: int
+):
+    """Per-step wall at 0% hits: forward + delivery, with the cache vs without."""
+    warm, steps = make_steps(size, num_steps, num_blocks, prefix, rows.cpu.hidden.shape[0] // 2)
+    steps = no_hit_steps(steps)
+    forward = stand_in_forward(width, layers, rows.hidden.dtype, device)
 
     def run(mode: str) -> float:
         times = []
@@ -227,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: check the script only")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per size (default 40; quick 6)")
+    parser.add_argument("--layers", type=int, default=None, help="stand-in forward's layers (default 24; quick 1)")
     parser.add_argument("--out", type=Path, default=RESULTS / "gpu.json")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -238,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         sizes, width, num_blocks, prefix, default_steps = (512, 2048, 8192), 2048, 4096, 512, 40
     num_steps = args.steps or default_steps
+    layers = args.layers or (1 if args.quick else 24)
     max_tokens = max(max(sizes), NUM_PREFIXES * prefix)
     rows = DeviceRows(Rows(max_tokens, width), args.device)
 
@@ -258,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     for size in sizes:
-        row = on_vs_off(size, num_steps, rows, args.device, num_blocks, prefix, width)
+        row = on_vs_off(size, num_steps, rows, args.device, num_blocks, prefix, width, layers)
         overheads.append(row)
         print(
             f"{size:>5} tok, 0% hits: off {row['off_ms']:.2f} ms/step, on {row['on_ms']:.2f} ms/step "
@@ -280,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                 "num_blocks": num_blocks,
                 "shared_prefix_tokens": prefix,
                 "steps_per_size": num_steps,
+                "stand_in_forward": {"layers": layers, "width": width, "params": 12 * layers * width**2},
             },
             "save_path": copies,
             "cache_on_vs_off_0pct_hits": overheads,
