@@ -1,6 +1,7 @@
 """Engine-thread cost of the cache on CPU: begin_step + save bookkeeping for 8 requests x 64
 tokens (with the pool write on the committer, and with the default that writes a step this
-small inside save), and a large save against one memcpy of the same bytes.
+small inside save), a large save against one memcpy of the same bytes, and decode steps of
+64 and 256 live requests x 1 token (begin_step + save, and materialize).
 
 Run: `.venv/bin/python benches/save_overhead.py` (or `just bench-py`). Prints a table and
 writes benches/results/save_overhead.json. Medians over many steps; nothing is asserted.
@@ -92,6 +93,46 @@ def engine_thread_step_us(
     return statistics.median(times[steps // 10 :]) * 1e6
 
 
+def decode_step_us(
+    num_reqs: int, width: int, dtype: torch.dtype, steps: int, forward_ms: float = 0.0
+) -> tuple[float, float]:
+    """Median µs per decode step of ``num_reqs`` live requests, one token each: begin_step +
+    save, and materialize of the step (same thread, right after). The requests are prefilled
+    with one block each first; every decode step is an empty `StepEvents` (nothing new or
+    finished), as in a steady decode phase."""
+    blocks_per_req = -(-(BLOCK + steps) // BLOCK)
+    config = CacheConfig(
+        num_blocks=num_reqs * blocks_per_req,
+        block_size=BLOCK,
+        staging_depth=4,
+        staging_capacity_tokens=num_reqs * BLOCK,
+    )
+    ids = [f"r{i}" for i in range(num_reqs)]
+    tables = np.arange(num_reqs * blocks_per_req, dtype=np.int64).reshape(num_reqs, blocks_per_req)
+    hidden = torch.randn(num_reqs * BLOCK, width).to(dtype)
+    save_s, materialize_s = [], []
+    with PrefixCache(config) as cache:
+        cache.begin_step(StepEvents(new=[NewRequest(r, tables[i].tolist()) for i, r in enumerate(ids)]))
+        prefill = (tables[:, :1] * BLOCK + np.arange(BLOCK)).reshape(-1)
+        cache.materialize(cache.save(hidden, {}, StepBatch(ids, [BLOCK] * num_reqs, prefill)), ids)
+        for pos in range(BLOCK, BLOCK + steps):
+            slots = tables[:, pos // BLOCK] * BLOCK + pos % BLOCK
+            batch = StepBatch(ids, [1] * num_reqs, slots)
+            if forward_ms:
+                busy_forward(forward_ms)
+            t0 = time.perf_counter()
+            cache.begin_step(StepEvents())
+            sid = cache.save(hidden[:num_reqs], {}, batch)
+            t1 = time.perf_counter()
+            cache.materialize(sid, ids)
+            t2 = time.perf_counter()
+            save_s.append(t1 - t0)
+            materialize_s.append(t2 - t1)
+        cache.flush()
+    skip = steps // 10
+    return statistics.median(save_s[skip:]) * 1e6, statistics.median(materialize_s[skip:]) * 1e6
+
+
 def memcpy_us(tokens: int, width: int, dtype: torch.dtype, repeat: int = 30) -> float:
     src = torch.randn(tokens, width).to(dtype)
     dst = torch.empty_like(src)
@@ -126,12 +167,23 @@ def main() -> None:
     big = engine_thread_step_us(1, 8192, 2048, torch.bfloat16, big_steps, args.forward_ms)
     copy = memcpy_us(8192, 2048, torch.bfloat16)
     rows.append({"case": "1 req x 8192 tok, bf16 width 2048", "engine_thread_us": big, "memcpy_us": copy})
+    for num_reqs in (64, 256):
+        us, materialize = decode_step_us(num_reqs, 2048, torch.bfloat16, max(40, args.steps // 3), args.forward_ms)
+        rows.append(
+            {
+                "case": f"decode {num_reqs} req x 1 tok, bf16 width 2048",
+                "engine_thread_us": us,
+                "materialize_us": materialize,
+            }
+        )
     for row in rows:
         extra = (
             f"  (one memcpy {row['memcpy_us']:.0f} us, ratio {row['engine_thread_us'] / row['memcpy_us']:.2f}x)"
             if "memcpy_us" in row
             else ""
         )
+        if "materialize_us" in row:
+            extra = f"  materialize {row['materialize_us']:>7.1f} us"
         print(f"{row['case']:<52} begin_step+save {row['engine_thread_us']:>9.1f} us{extra}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     machine = f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} torch thread(s)"
