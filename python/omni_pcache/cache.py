@@ -246,13 +246,8 @@ class PrefixCache:
         for record, spec, slots, versions in from_deferred:
             self._preserved.fill(spec.name, slots, versions, record.rows(spec, record.position_of(slots)))
         with self._cond:
-            rows: dict[str, tuple[int, int, int]] = {}
-            hits: dict[str, HitRead] = {}
-            for req_id, (start, count) in shape.rows.items():
-                drop, read = self._delivery.take(req_id, count)
-                rows[req_id] = (start, count, drop)
-                if read is not None:
-                    hits[req_id] = self._reader.plan(req_id, read, specs)
+            rows, reads = self._delivery.take_step(shape.rows)
+            hits: dict[str, HitRead] = {req: self._reader.plan(req, read, specs) for req, read in reads.items()}
             self._steps.records[step_id] = StepRecord(
                 step_id, page, handle, shape.n, shape.n_padded, rows, list(cached), hits, kept_leftover, clones,
                 sources, threading.get_ident(), self._copies.epoch,
@@ -294,13 +289,15 @@ class PrefixCache:
             if immediate:
                 task_ids = self._tasks.create_many(len(scheduled))
                 specs = tuple(immediate)
+                pages, by_task, req_tasks = self._pages, self._records, self._req_tasks  # (per-request loop)
                 for task_id, (req_id, start, count) in zip(task_ids, scheduled, strict=True):
-                    record = WriteRecord(
-                        task_id, step_id, req_id, page, start, count, specs, handle,
-                        slot_ids[start : start + count], self._pages,
-                    )  # fmt: skip
-                    self._records[task_id] = record
-                    self._req_tasks.setdefault(req_id, set()).add(task_id)
+                    record = WriteRecord(task_id, step_id, req_id, page, start, count, specs, handle, slot_ids, pages)
+                    by_task[task_id] = record
+                    tasks = req_tasks.get(req_id)
+                    if tasks is None:
+                        req_tasks[req_id] = {task_id}
+                    else:
+                        tasks.add(task_id)
                     records.append(record)
                 for spec in immediate:
                     out = self._ledger.claim_many(shape.slot_mapping, counts, spec.key_id, task_ids)
@@ -343,6 +340,8 @@ class PrefixCache:
             elif record.deferred:
                 from_deferred.append((record, spec, s, v))  # its rows are in a clone already
             else:
+                if record.obligations is None:
+                    record.obligations = []
                 record.obligations.append((spec, s, v))
 
     # ---- committer thread --------------------------------------------------------------
@@ -466,15 +465,16 @@ class PrefixCache:
         completed = self._tasks.reap_completions().tolist()
         if not completed:
             return
+        by_task, req_tasks = self._records, self._req_tasks  # (per-task loop)
         with self._cond:
             for task_id in completed:
-                record = self._records.pop(task_id, None)
+                record = by_task.pop(task_id, None)
                 if record is not None:
-                    tasks = self._req_tasks.get(record.req_id)
+                    tasks = req_tasks.get(record.req_id)
                     if tasks is not None:
                         tasks.discard(task_id)
                         if not tasks:
-                            del self._req_tasks[record.req_id]
+                            del req_tasks[record.req_id]
 
     def stats(self) -> CacheStats:
         """A snapshot of the counters (any thread; works after a failure or close)."""

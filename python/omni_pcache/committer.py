@@ -29,7 +29,7 @@ class Committer:
     """Runs ``write(task_ids)`` for every queued task, in batches of what is queued (up to
     ``max_batch``), on its own thread or inline."""
 
-    max_batch = 64
+    max_batch = 1024  # a whole decode step of up to 1,024 requests: one gather/scatter per key per step
 
     def __init__(
         self,

@@ -59,15 +59,31 @@ class DeliveryTracker:
     def finish(self, req_id: str) -> None:
         self._live.pop(req_id, None)
 
-    def take(self, req_id: str, count: int) -> tuple[int, np.ndarray | None]:
-        """A save of ``count`` rows of ``req_id``: returns how many leading rows were already
-        delivered (not to be returned again) and the pool read due now, if any."""
-        state = self._live.setdefault(req_id, Delivery())
-        start = state.next_pos
-        read, state.read = state.read, None
-        if read is not None:
-            state.delivered = max(state.delivered, start)
-        drop = min(max(state.delivered - start, 0), count)
-        state.next_pos = start + count
-        state.delivered = max(state.delivered, state.next_pos)
-        return drop, read
+    def take_step(
+        self, rows: dict[str, tuple[int, int]]
+    ) -> tuple[dict[str, tuple[int, int, int]], dict[str, np.ndarray]]:
+        """A save of each request's ``(start, count)`` rows of the step, in batch order.
+
+        Returns per request ``(start, count, drop)``, where ``drop`` is how many leading rows
+        were already delivered (not to be returned again), and the pool reads due now, by
+        request. One loop for the whole step: this runs for every request of every step."""
+        live = self._live
+        out: dict[str, tuple[int, int, int]] = {}
+        reads: dict[str, np.ndarray] = {}
+        for req_id, (row, count) in rows.items():
+            state = live.get(req_id)
+            if state is None:
+                state = live[req_id] = Delivery()
+            start = state.next_pos
+            if state.read is not None:
+                reads[req_id] = state.read
+                state.read = None
+                if start > state.delivered:
+                    state.delivered = start
+            drop = state.delivered - start
+            out[req_id] = (row, count, 0 if drop <= 0 else min(drop, count))
+            end = start + count
+            state.next_pos = end
+            if end > state.delivered:
+                state.delivered = end
+        return out, reads

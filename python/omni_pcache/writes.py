@@ -16,7 +16,7 @@ the scatter.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -42,10 +42,11 @@ class WriteRecord:
     num_rows: int
     keys: tuple[KeySpec, ...]
     handle: CopyHandle
-    slots: np.ndarray  # the claimed slots in row order (int64)
+    step_slots: np.ndarray  # the step's slot mapping (int64); this task's are [start, start + num_rows)
     pages: StagingPages
-    # (key spec, slots, versions) to keep aside when written: reads captured them in transit.
-    obligations: list[tuple[KeySpec, list[int], list[int]]] = field(default_factory=list)
+    # (key spec, slots, versions) to keep aside when written: reads captured them in transit
+    # (None until the first; ledger lock).
+    obligations: list[tuple[KeySpec, list[int], list[int]]] | None = None
     closed: bool = False  # rows committed in the pool (ledger lock)
     done: bool = False  # and its staging page or clones released: nothing left to wait for
     deferred = False
@@ -59,7 +60,8 @@ class WriteRecord:
         return self.pages.page(spec.name, self.page).index_select(0, positions + self.start)
 
     def position_of(self, slots: list[int]) -> torch.Tensor:
-        row_of = {int(s): i for i, s in enumerate(self.slots.tolist())}
+        own = self.step_slots[self.start : self.start + self.num_rows]
+        row_of = {int(s): i for i, s in enumerate(own.tolist())}
         return torch.tensor([row_of[s] for s in slots], dtype=torch.int64)
 
 
@@ -109,7 +111,7 @@ class PoolWriter:
             for record in records:
                 if record.obligations:
                     obligations.append((record, record.obligations))
-                    record.obligations = []
+                    record.obligations = None
                 record.closed = True
             self._cond.notify_all()
         for record, owed in obligations:
