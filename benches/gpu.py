@@ -15,7 +15,9 @@ the step's rows on the GPU, at 512, 2,048 and 8,192 tokens per step:
    transformer's bf16 matmuls, ~1.2B parameters' worth; `stand_in_forward`) plus
    output delivery — off: the step's rows copied to host for the output path; on:
    ``begin_step`` + forward + ``save`` + ``materialize`` of the previous step (one step late,
-   as an async output path does). Same rows, no request hits.
+   as an async output path does). Same rows, no request hits;
+4. decode steps of 64 and 256 live requests x 1 token (save_overhead's `decode_step_us` with
+   the rows on the GPU): engine-thread begin_step + save, and materialize.
 
 Every measured materialize is checked against the expected full-sequence rows on a few steps.
 Without CUDA it prints a message and exits 0 (``--device cpu`` runs the same code on the CPU
@@ -35,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import RESULTS, command, machine, write
+from save_overhead import decode_step_us
 from step_overhead import MM_DTYPE, MM_WIDTH, NUM_PREFIXES, Ours, Rows, Step, check, expected, make_steps
 
 
@@ -286,6 +289,15 @@ def main(argv: list[str] | None = None) -> int:
             f"({row['overhead']:+.1%})",
             flush=True,
         )
+    decode = []
+    for num_reqs in (64, 256) if not args.quick else (8,):
+        save_us, materialize_us = decode_step_us(num_reqs, width, rows.hidden.dtype, num_steps, device=args.device)
+        decode.append({"requests": num_reqs, "engine_thread_us": save_us, "materialize_us": materialize_us})
+        print(
+            f"decode {num_reqs:>3} req x 1 tok: engine-thread begin_step+save {save_us:.0f} us, "
+            f"materialize {materialize_us:.0f} us",
+            flush=True,
+        )
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (script check only)"
     write(
         args.out,
@@ -305,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "save_path": copies,
             "cache_on_vs_off_0pct_hits": overheads,
+            "decode_steps": decode,
         },
     )
     return 0

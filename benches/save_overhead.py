@@ -94,12 +94,13 @@ def engine_thread_step_us(
 
 
 def decode_step_us(
-    num_reqs: int, width: int, dtype: torch.dtype, steps: int, forward_ms: float = 0.0
+    num_reqs: int, width: int, dtype: torch.dtype, steps: int, forward_ms: float = 0.0, device: str = "cpu"
 ) -> tuple[float, float]:
     """Median µs per decode step of ``num_reqs`` live requests, one token each: begin_step +
     save, and materialize of the step (same thread, right after). The requests are prefilled
     with one block each first; every decode step is an empty `StepEvents` (nothing new or
-    finished), as in a steady decode phase."""
+    finished), as in a steady decode phase. ``device``: where the step's rows are (benches/gpu.py
+    passes "cuda")."""
     blocks_per_req = -(-(BLOCK + steps) // BLOCK)
     config = CacheConfig(
         num_blocks=num_reqs * blocks_per_req,
@@ -109,7 +110,7 @@ def decode_step_us(
     )
     ids = [f"r{i}" for i in range(num_reqs)]
     tables = np.arange(num_reqs * blocks_per_req, dtype=np.int64).reshape(num_reqs, blocks_per_req)
-    hidden = torch.randn(num_reqs * BLOCK, width).to(dtype)
+    hidden = torch.randn(num_reqs * BLOCK, width).to(dtype).to(device)
     save_s, materialize_s = [], []
     with PrefixCache(config) as cache:
         cache.begin_step(StepEvents(new=[NewRequest(r, tables[i].tolist()) for i, r in enumerate(ids)]))
@@ -120,6 +121,8 @@ def decode_step_us(
             batch = StepBatch(ids, [1] * num_reqs, slots)
             if forward_ms:
                 busy_forward(forward_ms)
+            if device != "cpu":
+                torch.cuda.synchronize()
             t0 = time.perf_counter()
             cache.begin_step(StepEvents())
             sid = cache.save(hidden[:num_reqs], {}, batch)
