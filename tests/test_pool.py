@@ -1,5 +1,5 @@
-"""The host pool's scatter: wide rows copied run by run land exactly where index_copy_ would
-put them; the native scatter plan it follows."""
+"""The host pool's scatter: rows copied natively, run by run, land exactly where index_copy_
+would put them, whatever the dtype or row width; a refused scatter writes nothing."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from omni_pcache._native import scatter_plan
+from omni_pcache import InvalidInputError
+from omni_pcache._native import scatter_rows
 from omni_pcache.keys import KeySpec
-from omni_pcache.pool import RUN_COPY_MIN_ROW_BYTES, HostPool
+from omni_pcache.pool import HostPool
 
 
 def blocks_in_request_order(rng: np.random.Generator, num_slots: int, block: int, rows: int) -> np.ndarray:
@@ -45,38 +46,31 @@ def test_pool_writes_equal_an_indexed_scatter(row_shape: tuple[int, ...], dtype:
     assert torch.equal(pool.read("k", at), want[at])
 
 
-@pytest.mark.parametrize(
-    ("row_shape", "dtype", "planned"),
-    [((2048,), torch.bfloat16, True), ((16,), torch.float32, False)],
-    ids=["wide-rows-run-by-run", "narrow-rows-index-copy"],
-)
-def test_only_rows_of_a_kib_or_more_are_written_run_by_run(
-    monkeypatch, row_shape: tuple[int, ...], dtype: torch.dtype, planned: bool
-) -> None:
-    from omni_pcache import pool as pool_module
-
-    plans = []
-    monkeypatch.setattr(pool_module, "scatter_plan", lambda slots: plans.append(slots.size) or scatter_plan(slots))
-    pool = HostPool(256)
-    pool.ensure(KeySpec("k", row_shape, dtype, 0))
-    slots = np.arange(32, 64, dtype=np.int64)  # two whole blocks of 16
-    rows = torch.randint(-9, 9, (32, *row_shape)).to(dtype)
+def test_rows_that_are_views_or_of_another_dtype_are_written_like_index_copy() -> None:
+    pool = HostPool(64)
+    pool.ensure(KeySpec("k", (4, 8), torch.float32, 0))
+    slots = np.array([9, 3, 4, 5], dtype=np.int64)
+    rows = torch.arange(4 * 8 * 4, dtype=torch.float32).reshape(4, 8, 4).transpose(1, 2)  # not contiguous
     pool.write("k", slots, rows)
-    assert (plans == [32]) is planned
-    assert (row_shape[0] * dtype.itemsize >= RUN_COPY_MIN_ROW_BYTES) is planned
     assert torch.equal(pool.read("k", torch.from_numpy(slots)), rows)
+    with pytest.raises(RuntimeError, match="dtype"):  # index_copy_ checks what the native path would not
+        pool.write("k", slots, rows.double())
 
 
-def test_scatter_plan_sorts_runs_by_slot_and_keeps_row_order_lengths() -> None:
-    lengths, bounds, order = scatter_plan(np.array([8, 9, 10, 11, 0, 1, 2, 3, 20, 21], dtype=np.int64))
-    assert lengths.tolist() == [4, 4, 2]
-    assert bounds.tolist() == [0, 4, 8, 12, 20, 22]
-    assert order.tolist() == [1, 0, 2]
-    empty = scatter_plan(np.empty(0, dtype=np.int64))
-    assert empty is not None and [a.size for a in empty] == [0, 0, 0]
-    assert scatter_plan(np.array([4, 5, 6, 5], dtype=np.int64)) is None, "overlapping runs have no plan"
-    # Slots at the end of the int64 range have no plan (their run's end would overflow).
-    assert scatter_plan(np.array([2**63 - 1, 5], dtype=np.int64)) is None
+def test_a_refused_scatter_raises_a_typed_error_and_writes_nothing() -> None:
+    pool = np.zeros((8, 4), dtype=np.uint8)
+    rows = np.ones((3, 4), dtype=np.uint8)
+    with pytest.raises(InvalidInputError, match="slot id 8 at position 2 is out of range"):
+        scatter_rows(pool, rows, np.array([0, 1, 8], dtype=np.int64))
+    with pytest.raises(InvalidInputError, match="3 slots but 8 bytes"):
+        scatter_rows(pool, rows[:2], np.array([0, 1, 2], dtype=np.int64))
+    with pytest.raises(InvalidInputError, match="rows of 2 bytes"):
+        scatter_rows(pool, np.ones((3, 2), dtype=np.uint8), np.array([0, 1, 2], dtype=np.int64))
+    with pytest.raises(InvalidInputError, match="contiguous"):
+        scatter_rows(pool, np.ones((3, 8), dtype=np.uint8)[:, ::2], np.array([0, 1, 2], dtype=np.int64))
+    assert not pool.any()
+    scatter_rows(pool, rows, np.array([5, 6, 7], dtype=np.int64))
+    assert pool[5:].all() and not pool[:5].any()
 
 
 def test_a_slot_named_twice_is_written_like_index_copy() -> None:

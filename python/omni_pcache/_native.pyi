@@ -148,12 +148,11 @@ def block_table(blocks: IndexLike, num_blocks: int) -> npt.NDArray[np.int64]:
 def block_slots(table: IndexLike, start: int, stop: int, block_size: int) -> npt.NDArray[np.int64]:
     """Slot ids of positions ``[start, stop)`` under a checked int64 block table."""
 
-def scatter_plan(
-    slots: IndexLike,
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]] | None:
-    """``(lengths, bounds, order)`` of the runs of consecutive ids in ``slots``: run lengths
-    in row order, ``start, end`` of each run sorted by slot, and the row-order index of each
-    sorted run; ``None`` when a slot appears twice."""
+def scatter_rows(pool: npt.NDArray[np.uint8], rows: npt.NDArray[np.uint8], slots: IndexLike) -> None:
+    """Copies row ``i`` of ``rows`` to row ``slots[i]`` of ``pool`` (C-contiguous 2-D uint8
+    arrays of the same row width), one copy per run of consecutive slots, without the GIL.
+    Raises ``InvalidInputError``, having written nothing, for a slot outside the pool,
+    mismatched widths or a non-contiguous array."""
 
 def check_slots(slots: IndexLike, num_slots: int, what: str) -> None:
     """Raises ``InvalidInputError`` ("``what``: slot id S at position P is out of range

@@ -14,16 +14,17 @@ import threading
 import numpy as np
 import torch
 
-from omni_pcache._native import scatter_plan
+from omni_pcache._native import scatter_rows
 from omni_pcache.copy_engine import empty_host
 from omni_pcache.keys import KeySpec
 
 logger = logging.getLogger("omni_pcache")
 
-RUN_COPY_MIN_ROW_BYTES = 1024
-"""Rows at least this wide are written run by run (see `HostPool.write`)."""
-MIN_RUN_ROWS = 4
-"""...when the slots average at least this many per run."""
+
+def row_bytes_view(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor of ``n`` rows as an ``(n, row_bytes)`` uint8 numpy array sharing
+    its memory (how `scatter_rows` sees rows of any dtype, bf16 included)."""
+    return tensor.reshape(tensor.shape[0], -1).view(torch.uint8).numpy()
 
 
 class HostPool:
@@ -32,6 +33,7 @@ class HostPool:
     def __init__(self, num_slots: int) -> None:
         self._num_slots = num_slots
         self._rows: dict[str, torch.Tensor] = {}
+        self._bytes: dict[str, np.ndarray] = {}  # each key's storage as (num_slots, row_bytes) uint8 (writer only)
         self._lock = threading.Lock()
 
     def ensure(self, spec: KeySpec) -> None:
@@ -50,21 +52,21 @@ class HostPool:
         )
 
     def write(self, key: str, slots: np.ndarray, rows: torch.Tensor) -> None:
-        """Scatters ``rows`` to ``slots`` (distinct int64 ids; the writer: the committer's write
-        lock held). Wide rows move one copy per run of consecutive slots (the engine's blocks):
-        torch's CPU ``index_copy_`` walks elements, several times slower than a copy for rows
-        of a KiB or more; narrow rows, or slots in runs of under 4, keep ``index_copy_``."""
+        """Scatters ``rows`` to ``slots`` (int64 ids; the writer: the committer's write lock
+        held). Natively, one memory copy per run of consecutive slots (the engine's blocks) and
+        without the GIL: torch's CPU ``index_copy_`` walks elements, several times slower for
+        rows of a KiB or more, and holds the GIL the engine thread needs. Rows of another dtype
+        than the pool's (never from the cache) go through ``index_copy_``, which checks them."""
         pool = self._rows[key]
-        if rows.shape[0] and rows.numel() // rows.shape[0] * rows.element_size() >= RUN_COPY_MIN_ROW_BYTES:
-            plan = scatter_plan(slots)  # None: a slot named twice (not from a claim), element-wise below
-            if plan is not None and plan[0].size * MIN_RUN_ROWS <= slots.size:
-                lengths, bounds, order = plan
-                sources = torch.split_with_sizes(rows, lengths.tolist())
-                targets = torch.tensor_split(pool, bounds.tolist())[1::2]  # every run's rows
-                for target, run in zip(targets, order.tolist(), strict=True):
-                    target.copy_(sources[run])
-                return
-        pool.index_copy_(0, torch.from_numpy(slots), rows)
+        if rows.shape[0] == 0 or pool[0].numel() == 0:
+            return
+        if rows.dtype != pool.dtype or rows.device.type != "cpu":
+            pool.index_copy_(0, torch.from_numpy(slots), rows)
+            return
+        view = self._bytes.get(key)
+        if view is None:
+            view = self._bytes[key] = row_bytes_view(pool)
+        scatter_rows(view, row_bytes_view(rows.contiguous()), slots)
 
     def read(self, key: str, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The rows at ``slots`` (any thread), into ``out`` if given (a contiguous tensor of the

@@ -12,7 +12,7 @@
 //! - [`step_ids`]: exactly-once step ids;
 //! - [`staging`]: the staging-slot registry (a ring of pages with holders and timeouts);
 //! - [`block_table`]: block tables checked, and the slots of a span of positions;
-//! - [`scatter_plan`]: a slot list as runs of consecutive slots, for copying rows run by run;
+//! - [`row_scatter`]: rows copied into the pool slots a slot list names, run by run;
 //! - [`hashing`]: chained 128-bit block hashes over token ids.
 //!
 //! The Python binding (`crates/pcache-py`) is a thin layer over these types.
@@ -24,7 +24,7 @@ pub mod ids;
 pub mod ledger;
 pub mod ledger_outcomes;
 pub mod queues;
-pub mod scatter_plan;
+pub mod row_scatter;
 mod slot_columns;
 pub mod slot_runs;
 pub mod staging;

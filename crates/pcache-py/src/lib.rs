@@ -32,6 +32,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(block_table::block_table, m)?)?;
     m.add_function(wrap_pyfunction!(block_table::block_slots, m)?)?;
     m.add_function(wrap_pyfunction!(block_table::check_slots, m)?)?;
-    m.add_function(wrap_pyfunction!(scatter::scatter_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(scatter::scatter_rows, m)?)?;
     Ok(())
 }

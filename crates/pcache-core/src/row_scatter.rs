@@ -1,0 +1,151 @@
+//! Row scatter: copies a contiguous block of fixed-size rows into the pool rows named by a slot
+//! list, one memory copy per run of consecutive slots (the engine's blocks) instead of one
+//! indexed write per element (torch's CPU `index_copy_` walks elements; for wide rows that is
+//! several times slower than copying each row whole).
+//!
+//! Pure function over borrowed byte slices: everything is checked before the first byte is
+//! written, so a refused scatter changes nothing. The pool's single writer calls it (the
+//! committer, or the engine thread writing a small step), without the GIL.
+
+/// Why a scatter was refused (nothing was written).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RowScatterError {
+    /// Rows of zero bytes, or a pool that is not a whole number of rows.
+    #[error("row_bytes={row_bytes} does not divide the pool's {pool_bytes} bytes into rows")]
+    BadRowSize { row_bytes: usize, pool_bytes: usize },
+
+    /// The source does not hold one row per slot.
+    #[error("{num_slots} slots but {rows_bytes} bytes of rows (row_bytes={row_bytes})")]
+    RowCountMismatch {
+        num_slots: usize,
+        rows_bytes: usize,
+        row_bytes: usize,
+    },
+
+    /// A slot outside the pool (negative ids included).
+    #[error("slot id {slot} at position {position} is out of range [0, {num_rows})")]
+    SlotOutOfRange {
+        slot: i64,
+        position: usize,
+        num_rows: usize,
+    },
+}
+
+/// Copies row `i` of `rows` to row `slots[i]` of `pool` (rows of `row_bytes` bytes), one
+/// `copy_from_slice` per run of consecutive slots. A slot named twice gets its last row.
+pub fn scatter_rows(
+    pool: &mut [u8],
+    rows: &[u8],
+    row_bytes: usize,
+    slots: &[i64],
+) -> Result<(), RowScatterError> {
+    if row_bytes == 0 || pool.len() % row_bytes != 0 {
+        return Err(RowScatterError::BadRowSize {
+            row_bytes,
+            pool_bytes: pool.len(),
+        });
+    }
+    if slots.len().checked_mul(row_bytes) != Some(rows.len()) {
+        return Err(RowScatterError::RowCountMismatch {
+            num_slots: slots.len(),
+            rows_bytes: rows.len(),
+            row_bytes,
+        });
+    }
+    let num_rows = pool.len() / row_bytes;
+    if let Some((position, &slot)) = slots
+        .iter()
+        .enumerate()
+        .find(|&(_, &s)| s < 0 || s as u64 >= num_rows as u64)
+    {
+        return Err(RowScatterError::SlotOutOfRange {
+            slot,
+            position,
+            num_rows,
+        });
+    }
+    let mut first = 0; // first row of the current run
+    while first < slots.len() {
+        let mut end = first + 1;
+        while end < slots.len() && slots[end] == slots[end - 1] + 1 {
+            end += 1;
+        }
+        let at = slots[first] as usize * row_bytes;
+        let len = (end - first) * row_bytes;
+        pool[at..at + len].copy_from_slice(&rows[first * row_bytes..first * row_bytes + len]);
+        first = end;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The reference: one indexed write per row.
+    fn indexed(pool: &mut [u8], rows: &[u8], row_bytes: usize, slots: &[i64]) {
+        for (i, &s) in slots.iter().enumerate() {
+            let at = s as usize * row_bytes;
+            pool[at..at + row_bytes].copy_from_slice(&rows[i * row_bytes..(i + 1) * row_bytes]);
+        }
+    }
+
+    #[test]
+    fn runs_and_single_rows_land_where_an_indexed_write_puts_them() {
+        let row_bytes = 3;
+        for slots in [
+            vec![8i64, 9, 10, 11, 0, 1, 2, 3, 20, 21],
+            vec![5, 6, 7, 1, 2, 9, 0, 3],
+            vec![4, 2, 9, 7],
+            vec![],
+        ] {
+            let rows: Vec<u8> = (0..slots.len() * row_bytes).map(|b| b as u8 + 1).collect();
+            let (mut got, mut want) = (vec![0u8; 24 * row_bytes], vec![0u8; 24 * row_bytes]);
+            scatter_rows(&mut got, &rows, row_bytes, &slots).unwrap();
+            indexed(&mut want, &rows, row_bytes, &slots);
+            assert_eq!(got, want, "slots {slots:?}");
+        }
+    }
+
+    #[test]
+    fn a_slot_named_twice_gets_its_last_row() {
+        let mut pool = vec![0u8; 4];
+        scatter_rows(&mut pool, &[1, 2, 3], 1, &[2, 3, 2]).unwrap();
+        assert_eq!(pool, vec![0, 0, 3, 2]);
+    }
+
+    #[test]
+    fn a_refused_scatter_writes_nothing() {
+        let mut pool = vec![0u8; 8];
+        let err = scatter_rows(&mut pool, &[1, 1, 2, 2], 2, &[0, 4]).unwrap_err();
+        assert_eq!(
+            err,
+            RowScatterError::SlotOutOfRange {
+                slot: 4,
+                position: 1,
+                num_rows: 4
+            }
+        );
+        assert_eq!(
+            err.to_string(),
+            "slot id 4 at position 1 is out of range [0, 4)"
+        );
+        assert!(matches!(
+            scatter_rows(&mut pool, &[1, 1, 2, 2], 2, &[-1, 0]),
+            Err(RowScatterError::SlotOutOfRange { slot: -1, .. })
+        ));
+        assert!(matches!(
+            scatter_rows(&mut pool, &[1, 1, 2], 2, &[0, 1]),
+            Err(RowScatterError::RowCountMismatch { .. })
+        ));
+        assert!(matches!(
+            scatter_rows(&mut pool, &[], 3, &[]),
+            Err(RowScatterError::BadRowSize { .. })
+        ));
+        assert!(matches!(
+            scatter_rows(&mut pool, &[], 0, &[]),
+            Err(RowScatterError::BadRowSize { .. })
+        ));
+        assert_eq!(pool, vec![0u8; 8]);
+    }
+}
