@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 
 from cachekit import batch, describe, rows, slots_of, small_cache
-from omni_pcache import NewRequest, StepEvents, UnservableHitError
+from omni_pcache import NewRequest, StepBatch, StepEvents, UnservableHitError
 
 BS = 4
 
@@ -163,6 +164,36 @@ def test_a_late_read_of_a_block_reused_while_its_write_was_in_flight() -> None:
         cache.discard(reuse)
         sid = run_step(cache, [NewRequest("d", [0, 3], 4)], finished=["c"], reqs=[("d", [0, 3], 4, 1, 4)])
         expect(cache.materialize(sid, ["d"]), "d", [(3, 0, 4), (4, 4, 1)])
+
+
+def test_a_slot_buffer_refilled_after_begin_step_does_not_change_a_saved_step() -> None:
+    # The caller may refill its slot_mapping buffer once the next begin_step returns (vLLM
+    # reuses one); a write still in transit then owes b's preserved rows and must find them by
+    # the slots it was saved with, not by what the buffer holds now.
+    buffer = np.zeros(64, dtype=np.int64)
+
+    def save(cache, reqs):
+        slots = np.concatenate([slots_of(b, s, c, BS) for _, b, s, c, _ in reqs])
+        buffer[: slots.size] = slots
+        hidden = torch.cat([rows(w, s, c) for _, _, s, c, w in reqs])
+        codes = torch.cat([rows(w, s, c, width=2, dtype=torch.int64) for _, _, s, c, w in reqs])
+        return cache.save(hidden, {"codes": codes}, StepBatch([r for r, *_ in reqs], [c for *_, c, _ in reqs], buffer))
+
+    with small_cache(inline_write_bytes=0) as cache:
+        gate = threading.Event()
+        write = cache._writer.write_batch
+        cache._writer.write_batch = lambda records: (gate.wait(10), write(records))
+        first = [("a", [0, 1], 0, 6, 1), ("b", [0, 2], 4, 2, 2)]
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1]), NewRequest("b", [0, 2], 4)]))
+        step = save(cache, first)
+        # c reuses a's block 0 while a's write is held back; e first, so the buffer's front changes
+        second = [("e", [5], 0, 4, 5), ("c", [0], 0, 4, 3)]
+        cache.begin_step(StepEvents(new=[NewRequest("e", [5]), NewRequest("c", [0])], finished=["a", "b"]))
+        reuse = save(cache, second)
+        gate.set()
+        expect(cache.materialize(step, ["b"]), "b", [(1, 0, 4), (2, 4, 2)])
+        cache.discard(reuse)
+        cache.flush()
 
 
 def test_no_preserved_copy_raises_unservable_hit() -> None:

@@ -57,6 +57,17 @@ def test_rows_that_are_views_or_of_another_dtype_are_written_like_index_copy() -
         pool.write("k", slots, rows.double())
 
 
+def test_rows_of_another_row_shape_or_lazily_conjugated_go_through_index_copy() -> None:
+    pool = HostPool(16)
+    pool.ensure(KeySpec("k", (2, 3), torch.complex64, 0))
+    slots = np.array([1, 2], dtype=np.int64)
+    with pytest.raises((RuntimeError, IndexError)):  # same bytes per row, other shape: refused
+        pool.write("k", slots, torch.zeros(2, 3, 2, dtype=torch.complex64))
+    rows = torch.complex(torch.arange(12.0), torch.ones(12)).reshape(2, 2, 3)
+    pool.write("k", slots, rows.conj())  # a lazy conjugate view: written resolved
+    assert torch.equal(pool.read("k", torch.from_numpy(slots)), rows.conj().resolve_conj())
+
+
 def test_a_refused_scatter_raises_a_typed_error_and_writes_nothing() -> None:
     pool = np.zeros((8, 4), dtype=np.uint8)
     rows = np.ones((3, 4), dtype=np.uint8)

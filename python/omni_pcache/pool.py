@@ -55,13 +55,20 @@ class HostPool:
         """Scatters ``rows`` to ``slots`` (int64 ids; the writer: the committer's write lock
         held). Natively, one memory copy per run of consecutive slots (the engine's blocks) and
         without the GIL: torch's CPU ``index_copy_`` walks elements, several times slower for
-        rows of a KiB or more, and holds the GIL the engine thread needs. Rows of another dtype
-        than the pool's (never from the cache) go through ``index_copy_``, which checks them."""
+        rows of a KiB or more, and holds the GIL the engine thread needs. Rows of another dtype or
+        row shape than the pool's, or lazily conjugated/negated views (never from the cache), go
+        through ``index_copy_``, which checks or resolves them."""
         pool = self._rows[key]
         if rows.shape[0] == 0 or pool[0].numel() == 0:
             return
-        if rows.dtype != pool.dtype or rows.device.type != "cpu":
-            pool.index_copy_(0, torch.from_numpy(slots), rows)
+        if (
+            rows.dtype != pool.dtype
+            or rows.shape[1:] != pool.shape[1:]
+            or rows.device.type != "cpu"
+            or rows.is_conj()
+            or rows.is_neg()
+        ):
+            pool.index_copy_(0, torch.from_numpy(slots), rows)  # checks shapes; resolves conj/neg views
             return
         view = self._bytes.get(key)
         if view is None:

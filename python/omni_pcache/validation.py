@@ -116,7 +116,9 @@ def check_batch(batch: StepBatch, config: CacheConfig) -> BatchShape:
         raise InvalidInputError(f"slot_mapping must be a 1-D integer array, got {mapping.dtype} {mapping.shape}")
     if mapping.size < n:
         raise InvalidInputError(f"slot_mapping has {mapping.size} entries for {n} scheduled tokens")
-    slots = np.ascontiguousarray(mapping[:n], dtype=np.int64)
+    # A copy, always: write records keep the step's slots until their writes land, and the
+    # caller may refill its slot buffer after the next begin_step (vLLM reuses one).
+    slots = np.array(mapping[:n], dtype=np.int64)
     check_slots(slots, config.num_slots, "slot_mapping")
     starts = itertools.accumulate(counts, initial=0)  # each request's first row (and the end: one more)
     rows: dict[str, tuple[int, int]] = dict(zip(req_ids, zip(starts, counts, strict=False), strict=True))

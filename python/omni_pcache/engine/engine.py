@@ -85,10 +85,10 @@ class EngineResult:
 
 
 class OutputBuffers:
-    """Persistent per-step output buffers on one device, as a vLLM runner keeps them: each
-    step's rows are copied into the front of the same tensors (on the compute stream) and
-    handed to `PrefixCache.save` padded to a multiple of 8 rows (a CUDA-graph bucket); the
-    next step overwrites them right after its `begin_step`. The cache must therefore hold its
+    """Persistent per-step output buffers on one device, as a vLLM runner keeps them, and a
+    reused host buffer for the slot ids: each step's rows are copied into the front of the same
+    tensors (on the compute stream) and handed to `PrefixCache.save` padded to a multiple of 8
+    rows (a CUDA-graph bucket); the next step overwrites them right after its `begin_step`. The cache must therefore hold its
     own copy by then, and, on CUDA, its side-stream copy must wait for the fill: each fill
     first holds the compute stream for a while (``torch.cuda._sleep``), so a copy that ran
     early would read the previous step's rows. Engine thread only."""
@@ -101,10 +101,15 @@ class OutputBuffers:
         self.capacity = capacity + self.PAD
         self._hidden: torch.Tensor | None = None
         self._proj: torch.Tensor | None = None
+        self._slots = np.zeros(self.capacity, dtype=np.int64)
 
-    def fill(self, hidden: torch.Tensor, proj: torch.Tensor, leftover: object) -> tuple[torch.Tensor, dict, int]:
-        """The step's rows in the buffers: (padded hidden, mm, padded row count)."""
+    def fill(
+        self, hidden: torch.Tensor, proj: torch.Tensor, leftover: object, slot_mapping: np.ndarray
+    ) -> tuple[torch.Tensor, dict, int, np.ndarray]:
+        """The step's rows in the buffers: (padded hidden, mm, padded row count, slot ids). The
+        slot ids go into a reused host buffer too, as vLLM's slot mapping does."""
         n = hidden.shape[0]
+        self._slots[:n] = slot_mapping
         if self._hidden is None:
             self._hidden = torch.zeros((self.capacity, *hidden.shape[1:]), dtype=hidden.dtype, device=self.device)
             self._proj = torch.zeros((self.capacity, *proj.shape[1:]), dtype=proj.dtype, device=self.device)
@@ -118,7 +123,7 @@ class OutputBuffers:
         self._proj[n:padded].fill_(-1)
         if isinstance(leftover, dict):
             leftover = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in leftover.items()}
-        return self._hidden[:padded], {"proj": self._proj[:padded], "step_info": leftover}, padded
+        return self._hidden[:padded], {"proj": self._proj[:padded], "step_info": leftover}, padded, self._slots[:n]
 
 
 class Engine:
@@ -254,14 +259,13 @@ class Engine:
                     out = self.model.forward(batch)
                     tokens_computed += sched.num_tokens
                     if self.cache is not None:
-                        hidden, mm, padded = out.hidden, out.mm, None
+                        hidden, mm, padded, slots = out.hidden, out.mm, None, batch.slot_mapping
                         if self.buffers is not None:
-                            hidden, mm, padded = self.buffers.fill(out.hidden, out.mm["proj"], out.mm["step_info"])
+                            hidden, mm, padded, slots = self.buffers.fill(
+                                out.hidden, out.mm["proj"], out.mm["step_info"], batch.slot_mapping
+                            )
                         step_batch = StepBatch(
-                            [r.req_id for r, _ in sched.scheduled],
-                            [n for _, n in sched.scheduled],
-                            batch.slot_mapping,
-                            padded,
+                            [r.req_id for r, _ in sched.scheduled], [n for _, n in sched.scheduled], slots, padded
                         )
                         step_id = self.cache.save(hidden, mm, step_batch)
                         if previous is not None:
