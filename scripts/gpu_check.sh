@@ -5,7 +5,7 @@
 # the GPU benchmark, then (time-boxed) the rest of the default suite with CUDA present, where
 # host buffers are pinned. Build the wheel first with `just gpu-wheels` (into dist/gpu).
 # A failing step does not stop the later ones; the exit status says whether any failed.
-# Where $OUT is set (the device tool), the log and the result files are copied there.
+# Where $OUT is set (the device tool), the log and the result files this run wrote are copied there.
 #
 # The GPU image's python3 lives in a virtual environment that already holds torch, numpy,
 # pytest, pytest-timeout, hypothesis and rich; a venv made from it would not see them, so the
@@ -14,6 +14,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-}
 failed=0
+started=$(mktemp)  # results written after this are this run's (the committed ones are older)
 step() {
     echo "=== $* ($(date +%T))"
     "$@" || { echo "=== FAILED (rc $?): $*"; failed=1; }
@@ -37,6 +38,7 @@ step() {
 } 2>&1 | tee ${out:+"$out/gpu_check.log"}
 rc=${PIPESTATUS[0]}
 if [ -n "$out" ]; then
-    cp benches/results/gpu.json benches/results/copy_check.json "$out/" 2>/dev/null || true
+    find benches/results -maxdepth 1 -name '*.json' -newer "$started" -exec cp {} "$out/" \;
 fi
+rm -f "$started"
 exit "$rc"

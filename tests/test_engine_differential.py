@@ -69,6 +69,7 @@ def check(config, workload, num_requests, seed, abort_rate):
     assert stats.steps_outstanding == []
     assert stats.device_bytes == 0 and stats.deferred_open == 0, "device budget back to 0 bytes"
     assert all(out.leftover_off_host == 0 for out in cached.outputs.values()), "leftovers come back on the host"
+    assert all(out.leftover_wrong == 0 for out in cached.outputs.values()), "leftovers come back as the model made them"
     return cached, result
 
 
@@ -97,12 +98,19 @@ def test_transformer_rows_equal_the_reference_within_tolerance(name, config, wor
     assert cached.hit_tokens > 0
 
 
+@pytest.mark.parametrize("inline_copy_bytes", [None, 0], ids=["default-copies", "every-copy-handed-over"])
 @pytest.mark.parametrize(
     ("name", "config", "workload", "num_requests", "abort_rate"), SCENARIOS, ids=[s[0] for s in SCENARIOS]
 )
-def test_rows_saved_from_reused_output_buffers_equal_the_reference(name, config, workload, num_requests, abort_rate):
+def test_rows_saved_from_reused_output_buffers_equal_the_reference(
+    monkeypatch, name, config, workload, num_requests, abort_rate, inline_copy_bytes
+):
     # The engine copies each step's outputs into the same padded buffers, overwritten right
-    # after the next begin_step: the cache must have its own copy by then.
+    # after the next begin_step: the cache must have its own copy by then. These steps are
+    # small, so save copies them itself; with INLINE_COPY_BYTES=0 every copy is handed to the
+    # committer and finished at the latest by the next begin_step.
+    if inline_copy_bytes is not None:
+        monkeypatch.setattr("omni_pcache.copy_engine.INLINE_COPY_BYTES", inline_copy_bytes)
     config = replace(config, model="prefix-hash", output_device="cpu")
     cached, result = check(config, workload, num_requests, 0, abort_rate)
     assert result.rows_checked > 0 and cached.hit_tokens > 0

@@ -50,9 +50,13 @@ def test_rows_that_are_views_or_of_another_dtype_are_written_like_index_copy() -
     pool = HostPool(64)
     pool.ensure(KeySpec("k", (4, 8), torch.float32, 0))
     slots = np.array([9, 3, 4, 5], dtype=np.int64)
-    rows = torch.arange(4 * 8 * 4, dtype=torch.float32).reshape(4, 8, 4).transpose(1, 2)  # not contiguous
-    pool.write("k", slots, rows)
-    assert torch.equal(pool.read("k", torch.from_numpy(slots)), rows)
+    base = torch.arange(8 * 4 * 8, dtype=torch.float32).reshape(8, 4, 8)
+    row_strided = base[::2]  # each row contiguous, every other row
+    within_rows = base[:4].transpose(1, 2).contiguous().transpose(1, 2)  # rows not contiguous themselves
+    for rows in (row_strided, within_rows):
+        pool.write("k", slots, rows)
+        assert torch.equal(pool.read("k", torch.from_numpy(slots)), rows)
+    rows = base[:4]
     with pytest.raises(RuntimeError, match="dtype"):  # index_copy_ checks what the native path would not
         pool.write("k", slots, rows.double())
 
@@ -79,6 +83,16 @@ def test_a_refused_scatter_raises_a_typed_error_and_writes_nothing() -> None:
         scatter_rows(pool, np.ones((3, 2), dtype=np.uint8), np.array([0, 1, 2], dtype=np.int64))
     with pytest.raises(InvalidInputError, match="contiguous"):
         scatter_rows(pool, np.ones((3, 8), dtype=np.uint8)[:, ::2], np.array([0, 1, 2], dtype=np.int64))
+    with pytest.raises(InvalidInputError, match="contiguous"):  # column-major: contiguous, but not rows
+        scatter_rows(pool, np.asfortranarray(np.arange(12, dtype=np.uint8).reshape(3, 4)), np.arange(3))
+    with pytest.raises(InvalidInputError, match="C-contiguous"):
+        scatter_rows(np.asfortranarray(pool), rows, np.arange(3))
+    with pytest.raises(InvalidInputError, match="pool"):  # the same array as pool and rows
+        scatter_rows(pool, pool, np.arange(8))
+    read_only = pool.copy()
+    read_only.flags.writeable = False
+    with pytest.raises(InvalidInputError, match="pool"):
+        scatter_rows(read_only, rows, np.arange(3))
     assert not pool.any()
     scatter_rows(pool, rows, np.array([5, 6, 7], dtype=np.int64))
     assert pool[5:].all() and not pool[:5].any()

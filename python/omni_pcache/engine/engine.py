@@ -64,6 +64,7 @@ class RequestOutput:
     proj: list[torch.Tensor] = field(default_factory=list)
     leftover_seen: int = 0
     leftover_off_host: int = 0  # returned leftovers holding a tensor not on the host
+    leftover_wrong: int = 0  # returned leftovers unequal to what the model produced that step
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.cat(self.hidden), torch.cat(self.proj)
@@ -88,10 +89,11 @@ class OutputBuffers:
     """Persistent per-step output buffers on one device, as a vLLM runner keeps them, and a
     reused host buffer for the slot ids: each step's rows are copied into the front of the same
     tensors (on the compute stream) and handed to `PrefixCache.save` padded to a multiple of 8
-    rows (a CUDA-graph bucket); the next step overwrites them right after its `begin_step`. The cache must therefore hold its
-    own copy by then, and, on CUDA, its side-stream copy must wait for the fill: each fill
-    first holds the compute stream for a while (``torch.cuda._sleep``), so a copy that ran
-    early would read the previous step's rows. Engine thread only."""
+    rows (a CUDA-graph bucket); the next step overwrites them right after its `begin_step`.
+    The cache must therefore hold its own copy by then, and, on CUDA, its side-stream copy must
+    wait for the fill: each fill first holds the compute stream for a while
+    (``torch.cuda._sleep``), so a copy that ran early would read the previous step's rows.
+    Engine thread only."""
 
     PAD = 8
     DELAY_CYCLES = 200_000  # ~0.1 ms of GPU time per step
@@ -158,6 +160,7 @@ class Engine:
             self.buffers = OutputBuffers(config.output_device, config.max_num_batched_tokens)
         self.outputs: dict[str, RequestOutput] = {}
         self._reference_rows: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._leftovers: dict[int, dict[str, object]] = {}  # step id -> a host copy of the model's step_info
         self._lock = threading.Lock()
         self._errors: list[BaseException] = []
 
@@ -176,6 +179,8 @@ class Engine:
                 rec.leftover_off_host += any(
                     isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in leftover.values()
                 )
+                rec.leftover_wrong += not _same_leftover(leftover, self._leftovers[step_id])
+            del self._leftovers[step_id]
 
     def _output_worker(self, inbox: queue.Queue) -> None:
         while (item := inbox.get()) is not None:
@@ -268,6 +273,11 @@ class Engine:
                             [r.req_id for r, _ in sched.scheduled], [n for _, n in sched.scheduled], slots, padded
                         )
                         step_id = self.cache.save(hidden, mm, step_batch)
+                        with self._lock:
+                            self._leftovers[step_id] = {
+                                k: v.clone() if isinstance(v, torch.Tensor) else v
+                                for k, v in out.mm["step_info"].items()
+                            }
                         if previous is not None:
                             self._hand_off(previous, inbox)
                         previous = (step_id, step_batch.req_ids)
@@ -324,6 +334,20 @@ class Engine:
             rec.hidden.append(torch.stack([rows[p][0] for p in positions]))
             rec.proj.append(torch.stack([rows[p][1] for p in positions]))
             self.outputs[req_id] = rec
+
+
+def _same_leftover(got: dict[str, object], want: dict[str, object]) -> bool:
+    """A returned leftover dict against the model's (tensors compared on the host, exactly)."""
+    if got.keys() != want.keys():
+        return False
+    for key, value in want.items():
+        other = got[key]
+        if isinstance(value, torch.Tensor):
+            if not isinstance(other, torch.Tensor) or not torch.equal(other.cpu(), value):
+                return False
+        elif other != value:
+            return False
+    return True
 
 
 def unfinished(result: EngineResult) -> list[str]:
