@@ -147,12 +147,11 @@ class StepCopy:
                 started.record(stream)
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
+                # The caching allocator must not hand src's memory to the compute stream before
+                # the side stream has read it (recorded per copy: a later copy may raise).
+                src.record_stream(stream)
         done = torch.cuda.Event(enable_timing=started is not None)
         done.record(stream)
-        for _, src in pairs:
-            # The caching allocator must not hand src's memory to the compute stream before
-            # the side stream has read it.
-            src.record_stream(stream)
         self.engine.remember(device, done)
         if started is not None:
             self.engine.timed.append((started, done))
