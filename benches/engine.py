@@ -37,8 +37,11 @@ from _common import RESULTS, command, machine, write
 
 
 class BenchEngine(Engine):
-    """The embedded engine without the differential harness's per-row reference recording:
-    with the cache off, each request gets its rows as views of the forward's output."""
+    """The embedded engine without the differential harness's per-row reference recording or
+    leftover checks: with the cache off, each request gets its rows as views of the forward's
+    output."""
+
+    verify_leftovers = False
 
     def __init__(self, config: EngineConfig, output_cache: bool = True) -> None:
         super().__init__(config)

@@ -59,7 +59,7 @@ class HostPool:
         row shape than the pool's, or lazily conjugated/negated views (never from the cache), go
         through ``index_copy_``, which checks or resolves them."""
         pool = self._rows[key]
-        if rows.shape[0] == 0 or pool[0].numel() == 0:
+        if rows.shape[0] == 0 or pool.numel() == 0:  # (no rows, or rows of zero elements)
             return
         if (
             rows.dtype != pool.dtype

@@ -117,7 +117,7 @@ def check_batch(batch: StepBatch, config: CacheConfig) -> BatchShape:
     if mapping.size < n:
         raise InvalidInputError(f"slot_mapping has {mapping.size} entries for {n} scheduled tokens")
     # A copy, always: write records keep the step's slots until their writes land, and the
-    # caller may refill its slot buffer after the next begin_step (vLLM reuses one).
+    # caller may refill its slot buffer as soon as save returns (vLLM reuses one).
     slots = np.array(mapping[:n], dtype=np.int64)
     check_slots(slots, config.num_slots, "slot_mapping")
     starts = itertools.accumulate(counts, initial=0)  # each request's first row (and the end: one more)
