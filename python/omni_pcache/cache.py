@@ -51,7 +51,7 @@ from omni_pcache.snapshot import snapshot
 from omni_pcache.stats import CacheStats, Counters
 from omni_pcache.steps import StepPages
 from omni_pcache.validation import check_batch, check_events
-from omni_pcache.writes import PoolWriter, WriteRecord
+from omni_pcache.writes import PoolWriter, StepWrite, batch_groups
 
 
 class PrefixCache:
@@ -92,8 +92,11 @@ class PrefixCache:
         self._deferred = DeferredWrites(
             config, self._tasks, lambda: self._committer.notify(1), self._counters.waited, self._failure_or_none
         )
-        self._records: dict[int, WriteRecord | DeferredRecord] = {}
-        self._req_tasks: dict[str, set[int]] = {}
+        # Every task not yet forgotten (`_reap_completions`) -> the record holding it; a step's
+        # immediate tasks share one `StepWrite`.
+        self._records: dict[int, StepWrite | DeferredRecord] = {}
+        # Step writes with tasks not written yet, oldest first (a finished request's are escalated).
+        self._open_writes: dict[int, StepWrite] = {}
         self._delivery = DeliveryTracker(config.block_size)
         self._failure: WriteFailedError | None = None
         self._closed = False
@@ -123,7 +126,7 @@ class PrefixCache:
         Raises `WriteFailedError` if a write failed, `WriteTimeoutError` on timeout."""
         timeout = self._config.claim_timeout_s if timeout_s is None else timeout_s
         with self._cond:
-            open_ids = {t for t, r in self._records.items() if not r.done and not (r.deferred and not r.flushed)}
+            open_ids = {t for t, r in self._records.items() if not r.is_done(t) and not (r.deferred and not r.flushed)}
         if open_ids:
             self._wait_tasks(open_ids, time.monotonic() + timeout)
         elif self._failure is not None:
@@ -173,8 +176,10 @@ class PrefixCache:
         try:
             for req_id in events.finished:
                 self._delivery.finish(req_id)
-                for task_id in sorted(self._req_tasks.pop(req_id, ())):
-                    self._tasks.escalate(task_id)
+                for write in self._open_writes.values():
+                    task_id = write.task_of(req_id)
+                    if task_id in write.open:  # (not written yet; None is never in it)
+                        self._tasks.escalate(task_id)
                 flushed += self._deferred.finish(req_id)
             for req in scheduled:
                 if not self._delivery.is_live(req.req_id):
@@ -235,7 +240,7 @@ class PrefixCache:
                 raise self._closed_error("the cache was closed during save") from None
             raise
         try:
-            records, from_pool, from_deferred = self._claim_rows(
+            task_ids, from_pool, from_deferred = self._claim_rows(
                 step_id, page, shape, immediate, deferred, handle, clones
             )
         except CacheClosedError:  # (claims fail only when the cache failed or closed meanwhile)
@@ -253,52 +258,53 @@ class PrefixCache:
                 sources, threading.get_ident(), self._copies.epoch,
             )  # fmt: skip
         try:
-            self._tasks.enqueue_many([record.task_id for record in records])
+            self._tasks.enqueue_many(task_ids)
         except TaskStateError:  # the committer failed meanwhile and failed these tasks with the rest
             raise self._closed_error("the cache was closed during save") from None
-        if self._write_here(records, shape.n, immediate, sources, handle):
-            self._committer.write_now(len(records))
+        if self._write_here(task_ids, shape.n, immediate, sources, handle):
+            self._committer.write_now(len(task_ids))
         else:
-            self._committer.notify(len(records))
+            self._committer.notify(len(task_ids))
         return step_id
 
-    def _write_here(self, records: list, n: int, immediate: list, sources: dict, handle: CopyHandle) -> bool:
+    def _write_here(self, task_ids: list, n: int, immediate: list, sources: dict, handle: CopyHandle) -> bool:
         """Whether save writes its step to the pool itself: a small step whose rows all came
         from CPU tensors and are already copied (see `CacheConfig.inline_write_bytes`)."""
         return (
-            bool(records)
+            bool(task_ids)
             and len(sources) == len(immediate)
             and n * sum(spec.row_bytes for spec in immediate) < self._config.inline_write_bytes
             and handle.done()
         )
 
     def _claim_rows(self, step_id, page, shape, immediate, deferred, handle, clones):
-        """Creates one write task per request for the immediate keys and extends each request's
-        open deferred record, claiming their slots and registering copy-on-write obligations
-        atomically with the claims (ledger lock)."""
-        records: list[WriteRecord] = []
+        """Creates the step's immediate write tasks (one per request with rows, in one
+        `StepWrite`) and extends each request's open deferred record, claiming their slots and
+        registering copy-on-write obligations atomically with the claims (ledger lock). Returns
+        the immediate task ids."""
+        task_ids: list[int] = []
         from_pool: list = []
         from_deferred: list = []
         if not immediate and not deferred:
-            return records, from_pool, from_deferred
+            return task_ids, from_pool, from_deferred
         # (the slot mapping holds exactly the scheduled rows' slots; zero-count requests add none)
-        scheduled = [(req_id, start, count) for req_id, (start, count) in shape.rows.items() if count]
-        counts = [count for _, _, count in scheduled]
+        if 0 in shape.counts:
+            scheduled = [(req_id, start, count) for req_id, (start, count) in shape.rows.items() if count]
+            req_ids = [req_id for req_id, _, _ in scheduled]
+            starts = [start for _, start, _ in scheduled]
+            counts = [count for _, _, count in scheduled]
+        else:  # (every request has rows: a decode step)
+            req_ids, starts, counts = shape.req_ids, shape.starts[:-1], shape.counts
         slot_ids = shape.slot_mapping  # the scheduled rows' slots, in batch order (int64)
         with self._cond:
             if immediate:
-                task_ids = self._tasks.create_many(len(scheduled))
-                specs = tuple(immediate)
-                pages, by_task, req_tasks = self._pages, self._records, self._req_tasks  # (per-request loop)
-                for task_id, (req_id, start, count) in zip(task_ids, scheduled, strict=True):
-                    record = WriteRecord(task_id, step_id, req_id, page, start, count, specs, handle, slot_ids, pages)
-                    by_task[task_id] = record
-                    tasks = req_tasks.get(req_id)
-                    if tasks is None:
-                        req_tasks[req_id] = {task_id}
-                    else:
-                        tasks.add(task_id)
-                    records.append(record)
+                task_ids = self._tasks.create_many(len(req_ids))
+                write = StepWrite.of(
+                    step_id, page, tuple(immediate), handle, slot_ids, self._pages, task_ids, req_ids, starts, counts
+                )
+                self._records.update(zip(task_ids, [write] * len(task_ids), strict=True))
+                if task_ids:
+                    self._open_writes[step_id] = write
                 for spec in immediate:
                     out = self._ledger.claim_many(shape.slot_mapping, counts, spec.key_id, task_ids)
                     if out.preserve_slots.size:
@@ -306,7 +312,7 @@ class PrefixCache:
                 self._staging.hold_many(page, "task", task_ids)
             if deferred:
                 owners = []
-                for req_id, start, count in scheduled:
+                for req_id, start, count in zip(req_ids, starts, counts, strict=True):
                     record = self._deferred.open.get(req_id)
                     if record is None:
                         record = self._deferred.open_record(req_id, step_id, tuple(deferred))
@@ -319,7 +325,7 @@ class PrefixCache:
                     out = self._ledger.claim_many(shape.slot_mapping, counts, spec.key_id, owners)
                     if out.preserve_slots.size:
                         self._register_obligations(spec, out, step_id, from_pool, from_deferred)
-        return records, from_pool, from_deferred
+        return task_ids, from_pool, from_deferred
 
     def _register_obligations(self, spec: KeySpec, out, step_id: int, from_pool: list, from_deferred: list) -> None:
         """Copy-on-write for slots a pending read captured (caller holds the ledger lock)."""
@@ -341,8 +347,8 @@ class PrefixCache:
                 from_deferred.append((record, spec, s, v))  # its rows are in a clone already
             else:
                 if record.obligations is None:
-                    record.obligations = []
-                record.obligations.append((spec, s, v))
+                    record.obligations = {}
+                record.obligations.setdefault(owner, []).append((spec, s, v))
 
     # ---- committer thread --------------------------------------------------------------
 
@@ -351,20 +357,17 @@ class PrefixCache:
         the committer, or the engine thread in `Committer.write_now`)."""
         if self._failure is not None:
             raise self._failure
-        records = [self._records[t] for t in task_ids]
-        self._writer.write_batch(records)
-        by_page: dict[int, list[int]] = {}
-        for record in records:
+        groups = batch_groups(task_ids, [self._records[t] for t in task_ids])
+        self._writer.write_batch(groups)
+        for record, ids in groups:
             if record.deferred:
                 record.release()
             else:
-                by_page.setdefault(record.page, []).append(record.task_id)
-        for page, ids in by_page.items():
-            self._staging.release_many(page, "task", ids)
+                self._staging.release_many(record.page, "task", ids)
         self._tasks.complete_many(task_ids)
         with self._cond:
-            for record in records:
-                record.done = True
+            for record, ids in groups:
+                record.finish_tasks(ids)
             self._cond.notify_all()
 
     def _on_write_failure(self, task_id: int, exc: BaseException) -> None:
@@ -373,7 +376,7 @@ class PrefixCache:
         with self._cond:
             if self._failure is None:
                 record = self._records.get(task_id)
-                what = f"request {record.req_id!r}, step {record.step_id}" if record else "unknown"
+                what = f"request {record.req_of(task_id)!r}, step {record.step_id}" if record else "unknown"
                 failed = f"write task#{task_id} ({what})" if task_id >= 0 else "the committer thread"
                 err = WriteFailedError(
                     f"{failed} failed: {exc!r}; every later call raises this error: close the cache and build a new one"
@@ -415,7 +418,7 @@ class PrefixCache:
             while True:
                 if self._failure is not None:
                     raise self._failure
-                open_ids = [t for t in task_ids if (r := self._records.get(t)) is not None and not r.done]
+                open_ids = [t for t in task_ids if (r := self._records.get(t)) is not None and not r.is_done(t)]
                 if not open_ids:
                     break
                 remaining = deadline - time.monotonic()
@@ -465,16 +468,13 @@ class PrefixCache:
         completed = self._tasks.reap_completions().tolist()
         if not completed:
             return
-        by_task, req_tasks = self._records, self._req_tasks  # (per-task loop)
+        forget = self._records.pop
         with self._cond:
             for task_id in completed:
-                record = by_task.pop(task_id, None)
-                if record is not None:
-                    tasks = req_tasks.get(record.req_id)
-                    if tasks is not None:
-                        tasks.discard(task_id)
-                        if not tasks:
-                            del req_tasks[record.req_id]
+                forget(task_id, None)
+            written = [step_id for step_id, write in self._open_writes.items() if not write.open]
+            for step_id in written:
+                del self._open_writes[step_id]
 
     def stats(self) -> CacheStats:
         """A snapshot of the counters (any thread; works after a failure or close)."""

@@ -163,6 +163,21 @@ class DeferredRecord:
         row_of = {int(s): i for i, s in enumerate(np.concatenate(self.slots).tolist())}
         return torch.tensor([row_of[s] for s in slots], dtype=torch.int64)
 
+    def is_done(self, task_id: int) -> bool:
+        """Whether the record's task is written and its clones released (ledger lock)."""
+        return self.done
+
+    def req_of(self, task_id: int) -> str:
+        return self.req_id
+
+    def slot_rows(self, task_id: int, spec: KeySpec, slots: list[int]) -> torch.Tensor:
+        """The record's host rows of ``slots``."""
+        return self.rows(spec, self.position_of(slots))
+
+    def finish_tasks(self, task_ids: list[int]) -> None:
+        """The task is written and its clones released (ledger lock)."""
+        self.done = True
+
     def release(self) -> None:
         """Drops the record's holds on its clones (after its write, or on failure); idempotent.
         The views themselves stay readable for a reader that already holds this record."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -70,26 +71,29 @@ class OutputBuilder:
         # Hit rows first: they come from the pool, so this step's own copy (run by the
         # committer meanwhile) is usually done by the time its rows are needed.
         hit_out = {}
-        for req_id in req_ids:
-            hit = record.hits.get(req_id)
-            if hit is not None:
-                hit_out[req_id] = self._serve_hit(record, req_id, hit, sources)
+        if record.hits:
+            for req_id in req_ids:
+                hit = record.hits.get(req_id)
+                if hit is not None:
+                    hit_out[req_id] = self._serve_hit(record, req_id, hit, sources)
         if not in_place:
             record.handle.wait()
         elif record.leftover:  # snapshots of CUDA leftovers land on the side stream, even in place
             record.handle.wait_device()
-        misses = [r for r in req_ids if r not in hit_out]
+        misses = [r for r in req_ids if r not in hit_out] if hit_out else req_ids
         shared, sizes = self._miss_rows(record, misses, sources)
         # One split per key (a slice per request would cost a Python indexing call each).
         miss_out = {name: torch.split_with_sizes(rows, sizes) for name, rows in shared.items()} if misses else {}
-        # Keys in the order asked, whichever path fills them.
-        hidden: dict[str, Any] | None = dict.fromkeys(req_ids) if HIDDEN in record.keys else None
-        mm: dict[str, dict[str, Any]] = {name: dict.fromkeys(req_ids) for name in record.keys if name != HIDDEN}
-        mm.update({name: dict.fromkeys(req_ids) for name in record.leftover})
+        # Keys in the order asked, whichever path fills them (without hits: the misses' pieces).
+        per_key = {name: dict.fromkeys(req_ids) for name in record.keys} if hit_out else {}
         for name, pieces in miss_out.items():
-            dest = hidden if name == HIDDEN else mm[name]
-            for req_id, piece in zip(misses, pieces, strict=True):
-                dest[req_id] = piece  # type: ignore[index]
+            if hit_out:
+                per_key[name].update(zip(misses, pieces, strict=True))
+            else:
+                per_key[name] = dict(zip(misses, pieces, strict=True))
+        hidden: dict[str, Any] | None = per_key.get(HIDDEN, {}) if HIDDEN in record.keys else None
+        mm: dict[str, dict[str, Any]] = {name: per_key.get(name, {}) for name in record.keys if name != HIDDEN}
+        mm.update({name: dict.fromkeys(req_ids) for name in record.leftover})
         for req_id, out in hit_out.items():  # this step's rows behind the hit's
             start, count, drop = record.rows[req_id]
             for name, src in sources.items():
@@ -124,17 +128,20 @@ class OutputBuilder:
     def _miss_rows(record: StepRecord, misses: list[str], sources: dict[str, torch.Tensor]):
         """One host copy per key of the rows the misses return, in request order, and how many
         rows each miss has in it: its tensors are slices of that copy, as a batch's rows are."""
+        spans = [record.rows[req_id] for req_id in misses]
+        sizes = [count - drop for _, count, drop in spans]  # (drop <= count: never negative)
         runs: list[list[int]] = []
-        sizes: list[int] = []
-        for req_id in misses:
-            start, count, drop = record.rows[req_id]
-            begin, end = start + drop, start + count
-            if end > begin:
-                if runs and runs[-1][1] == begin:
-                    runs[-1][1] = end
-                else:
-                    runs.append([begin, end])
-            sizes.append(end - begin)  # (drop <= count: never negative)
+        if misses == list(record.rows) and not any(map(itemgetter(2), spans)):
+            if record.n:  # every request of the step in batch order, each row returned: one run
+                runs.append([0, record.n])
+        else:
+            for start, count, drop in spans:
+                begin, end = start + drop, start + count
+                if end > begin:
+                    if runs and runs[-1][1] == begin:
+                        runs[-1][1] = end
+                    else:
+                        runs.append([begin, end])
         if not runs:  # every miss returns zero rows (all delivered before)
             return {name: src.new_empty((0, *src.shape[1:]), device="cpu") for name, src in sources.items()}, sizes
         if len(runs) == 1:

@@ -17,12 +17,16 @@ from omni_pcache.events import NewRequest, ResumedRequest, StepBatch, StepEvents
 
 @dataclass(frozen=True, slots=True)
 class BatchShape:
-    """A checked batch: token counts, each request's row range, and int64 slot ids."""
+    """A checked batch: token counts, each request's row range (also as lists in batch order:
+    ``starts`` has one more entry, ``n``), and int64 slot ids."""
 
     n: int
     n_padded: int
     rows: dict[str, tuple[int, int]]
     slot_mapping: np.ndarray
+    req_ids: list[str]
+    starts: list[int]
+    counts: list[int]
 
 
 def _int(value: object, what: str, minimum: int = 0) -> int:
@@ -120,6 +124,6 @@ def check_batch(batch: StepBatch, config: CacheConfig) -> BatchShape:
     # caller may refill its slot buffer as soon as save returns (vLLM reuses one).
     slots = np.array(mapping[:n], dtype=np.int64)
     check_slots(slots, config.num_slots, "slot_mapping")
-    starts = itertools.accumulate(counts, initial=0)  # each request's first row (and the end: one more)
+    starts = list(itertools.accumulate(counts, initial=0))  # each request's first row (and the end: one more)
     rows: dict[str, tuple[int, int]] = dict(zip(req_ids, zip(starts, counts, strict=False), strict=True))
-    return BatchShape(n, n_padded, rows, slots)
+    return BatchShape(n, n_padded, rows, slots, req_ids, starts, counts)

@@ -1,15 +1,20 @@
-"""One write task's journey from host rows to pool, run by the committer.
+"""A step's write tasks' journey from host rows to pool, run by the committer.
 
-A `WriteRecord` is one request's rows in one step: a row range of the step's staging page,
-claimed in the ledger for every immediate key (a `omni_pcache.deferred.DeferredRecord` holds
-a request's deferred rows across steps instead). `PoolWriter.write` waits the rows' copy,
-scatters the rows the task still owns into the pool (rows stolen by a newer tenant are
-skipped), commits them, fills the copy-on-write obligations that were registered on the task
-while it was in transit, and releases its staging page.
+A `StepWrite` holds the immediate write tasks of one step, one task per request with rows in
+it: each task's rows are a range of the step's staging page, claimed in the ledger for every
+immediate key (a `omni_pcache.deferred.DeferredRecord` holds one request's deferred rows across
+steps instead). The step's tasks share one object, so a decode step of hundreds of requests
+costs a few lists, not an object per request. `PoolWriter.write_batch` waits the rows' copy,
+scatters the rows each task still owns into the pool (rows stolen by a newer tenant are
+skipped), commits them, and fills the copy-on-write obligations that were registered on the
+tasks while they were in transit.
+
+Both kinds of record answer for the tasks they hold (`is_done`, `req_of`, `slot_rows`,
+`finish_tasks`), so the cache keeps one ``task id -> record`` map for both.
 
 Threads: `write_batch` runs under the committer's write lock (the pool's single writer: the
 committer thread, or the engine thread writing a small step in `Committer.write_now`). The
-ledger lock is held for the commit and for closing the record, never across the copy wait or
+ledger lock is held for the commit and for closing the tasks, never across the copy wait or
 the scatter.
 """
 
@@ -17,6 +22,8 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from itertools import chain, groupby
+from operator import itemgetter
 
 import numpy as np
 import torch
@@ -28,41 +35,84 @@ from omni_pcache.pages import StagingPages
 from omni_pcache.pool import HostPool
 from omni_pcache.preserve import PreservedRows
 
+# (key spec, slots, versions) to keep aside when a task is written: reads captured them in transit.
+Obligation = tuple[KeySpec, list[int], list[int]]
+
 
 @dataclass(slots=True, eq=False)
-class WriteRecord:
-    """An immediate write task: ``num_rows`` rows of request ``req_id`` at ``start`` in the
-    staging page ``page`` of step ``step_id``."""
+class StepWrite:
+    """The immediate write tasks of step ``step_id``: task ``task_ids[i]`` writes request
+    ``req_ids[i]``'s ``counts[i]`` rows at ``starts[i]`` of staging page ``page`` (rows whose
+    slots are ``step_slots[starts[i] : starts[i] + counts[i]]``), for every key in ``keys``.
 
-    task_id: int
+    ``open`` (tasks not written yet) and ``obligations`` change under the ledger lock."""
+
     step_id: int
-    req_id: str
     page: int
-    start: int
-    num_rows: int
     keys: tuple[KeySpec, ...]
     handle: CopyHandle
-    step_slots: np.ndarray  # the step's slot mapping (int64); this task's are [start, start + num_rows)
+    step_slots: np.ndarray  # the step's slot mapping (int64)
     pages: StagingPages
-    # (key spec, slots, versions) to keep aside when written: reads captured them in transit
-    # (None until the first; ledger lock).
-    obligations: list[tuple[KeySpec, list[int], list[int]]] | None = None
-    closed: bool = False  # rows committed in the pool (ledger lock)
-    done: bool = False  # and its staging page or clones released: nothing left to wait for
+    task_ids: list[int]
+    req_ids: list[str]
+    starts: list[int]
+    counts: list[int]
+    open: set[int]
+    obligations: dict[int, list[Obligation]] | None = None  # by task (None until the first)
+    _index: dict[int, int] | None = None  # task id -> i (built when first needed)
+    _task_of: dict[str, int] | None = None  # request -> task id (built when first needed)
     deferred = False
+
+    @classmethod
+    def of(cls, step_id, page, keys, handle, step_slots, pages, task_ids, req_ids, starts, counts) -> StepWrite:
+        return cls(step_id, page, keys, handle, step_slots, pages, task_ids, req_ids, starts, counts, set(task_ids))
+
+    def _at(self, task_id: int) -> int:
+        if self._index is None:
+            self._index = dict(zip(self.task_ids, range(len(self.task_ids)), strict=True))
+        return self._index[task_id]
+
+    def task_of(self, req_id: str) -> int | None:
+        """The task writing ``req_id``'s rows of this step, if it had rows in it."""
+        if self._task_of is None:
+            self._task_of = dict(zip(self.req_ids, self.task_ids, strict=True))
+        return self._task_of.get(req_id)
+
+    def is_done(self, task_id: int) -> bool:
+        """Whether the task is written and its staging hold released (ledger lock)."""
+        return task_id not in self.open
+
+    def req_of(self, task_id: int) -> str:
+        return self.req_ids[self._at(task_id)]
+
+    def offsets(self, task_ids: list[int]) -> list[int]:
+        """Each task's first row in the staging page."""
+        if task_ids == self.task_ids:  # (the whole step, in order: the usual batch)
+            return self.starts
+        return [self.starts[self._at(t)] for t in task_ids]
 
     def prepare(self) -> None:
         """Waits until the rows are on the host (the step's device→host copy)."""
         self.handle.wait()
 
-    def rows(self, spec: KeySpec, positions: torch.Tensor) -> torch.Tensor:
-        """The task's rows at ``positions`` (in its row order), on the host."""
-        return self.pages.page(spec.name, self.page).index_select(0, positions + self.start)
+    def slot_rows(self, task_id: int, spec: KeySpec, slots: list[int]) -> torch.Tensor:
+        """The task's host rows of ``slots`` (its own; the newest if one was claimed twice)."""
+        i = self._at(task_id)
+        start = self.starts[i]
+        own = self.step_slots[start : start + self.counts[i]]
+        row_of = {int(s): r for r, s in enumerate(own.tolist())}
+        positions = torch.tensor([row_of[s] for s in slots], dtype=torch.int64)
+        return self.pages.page(spec.name, self.page).index_select(0, positions + start)
 
-    def position_of(self, slots: list[int]) -> torch.Tensor:
-        own = self.step_slots[self.start : self.start + self.num_rows]
-        row_of = {int(s): i for i, s in enumerate(own.tolist())}
-        return torch.tensor([row_of[s] for s in slots], dtype=torch.int64)
+    def finish_tasks(self, task_ids: list[int]) -> None:
+        """The tasks are written and released (ledger lock)."""
+        self.open.difference_update(task_ids)
+
+
+def batch_groups(task_ids: list[int], records: list) -> list[tuple]:
+    """``task_ids`` (``records[i]`` holds ``task_ids[i]``) as runs of one record and its tasks."""
+    runs = groupby(zip(records, task_ids, strict=True), key=itemgetter(0))
+    return [(record, [t for _, t in run]) for record, run in runs]
 
 
 class PoolWriter:
@@ -83,57 +133,54 @@ class PoolWriter:
         self._cond = cond
         self.bytes_written: dict[str, int] = {}
 
-    def write_batch(self, records: list) -> None:
-        """Copies the owned rows of ``records`` into the pool and commits them (the writer).
+    def write_batch(self, groups: list[tuple]) -> None:
+        """Copies the owned rows of a batch of tasks into the pool and commits them (the writer).
 
-        Records are `WriteRecord`s or `DeferredRecord`s, each COPYING on entry and WRITTEN on
-        return. Immediate records of one step share a staging page, so their rows move with one
-        gather and one scatter per key. Raises on any failure, leaving the tasks for the caller
-        to fail.
+        ``groups`` are ``(record, task ids)`` runs (see `batch_groups`): a `StepWrite` or a
+        `DeferredRecord` and tasks of it; every task is COPYING on entry and WRITTEN on return.
+        A step's tasks come in one run (queued and popped together), so their rows move with
+        one gather and one scatter per key. Raises on any failure, leaving the tasks for the
+        caller to fail.
         """
-        task_ids = [record.task_id for record in records]
-        groups: dict[tuple, list] = {}
-        for record in records:
-            key = ("page", record.step_id) if not record.deferred else ("deferred", record.task_id)
-            group = groups.get(key)
-            if group is None:  # one wait per group: a step's records share its copy handle
+        task_ids = list(chain.from_iterable(ids for _, ids in groups))
+        prepared: set[int] = set()
+        for record, _ in groups:
+            if id(record) not in prepared:  # one wait per record: a step's tasks share its copy handle
+                prepared.add(id(record))
                 record.prepare()
-                group = groups[key] = []
-            group.append(record)
         self._tasks.copy_done_many(task_ids)
-        for group in groups.values():
-            for spec in group[0].keys:
-                self._scatter(spec, group)
+        for record, ids in groups:
+            for spec in record.keys:
+                self._scatter(spec, record, ids)
         self._tasks.written_many(task_ids)
-        obligations = []
+        owed = []
         with self._cond:
             self._ledger.commit_many(task_ids)
-            for record in records:
-                if record.obligations:
-                    obligations.append((record, record.obligations))
-                    record.obligations = None
-                record.closed = True
+            for record, ids in groups:
+                if record.deferred:
+                    if record.obligations:
+                        owed.extend((record, record.task_id, o) for o in record.obligations)
+                        record.obligations = []
+                    record.closed = True
+                elif record.obligations:
+                    for t in ids:
+                        owed.extend((record, t, o) for o in record.obligations.pop(t, ()))
             self._cond.notify_all()
-        for record, owed in obligations:
-            self.fill_obligations(record, owed)
+        for record, task_id, (spec, slots, versions) in owed:
+            self._preserved.fill(spec.name, slots, versions, record.slot_rows(task_id, spec, slots))
 
-    def _scatter(self, spec: KeySpec, group: list) -> None:
-        """One gather from the group's host rows and one scatter into the pool for ``spec``
-        (the ledger says which rows are still owned, and whether they form one range)."""
-        offsets = [0 if record.deferred else record.start for record in group]
-        at, slot_ids, first = self._ledger.owned_many([record.task_id for record in group], spec.key_id, offsets)
+    def _scatter(self, spec: KeySpec, record, task_ids: list[int]) -> None:
+        """One gather from the tasks' host rows and one scatter into the pool for ``spec`` (the
+        ledger says which rows are still owned, and whether they form one range)."""
+        offsets = [0] if record.deferred else record.offsets(task_ids)
+        at, slot_ids, first = self._ledger.owned_many(task_ids, spec.key_id, offsets)
         if slot_ids.size == 0:
             return
-        if group[0].deferred:
-            rows = group[0].rows(spec, torch.from_numpy(at))
+        if record.deferred:
+            rows = record.rows(spec, torch.from_numpy(at))
         elif first >= 0:  # every row still owned, in page order: no gather
-            rows = group[0].pages.page(spec.name, group[0].page)[first : first + at.size]
+            rows = record.pages.page(spec.name, record.page)[first : first + at.size]
         else:
-            rows = group[0].pages.page(spec.name, group[0].page).index_select(0, torch.from_numpy(at))
+            rows = record.pages.page(spec.name, record.page).index_select(0, torch.from_numpy(at))
         self._pool.write(spec.name, slot_ids, rows)
         self.bytes_written[spec.name] = self.bytes_written.get(spec.name, 0) + slot_ids.size * spec.row_bytes
-
-    def fill_obligations(self, record, obligations: list) -> None:
-        """Keeps aside the task's rows of slots a newer tenant took while a read held them."""
-        for spec, slots, versions in obligations:
-            self._preserved.fill(spec.name, slots, versions, record.rows(spec, record.position_of(slots)))
