@@ -238,3 +238,32 @@ def test_flush_on_another_thread_while_the_engine_thread_steps(busy_switching) -
             done.set()
             thread.join()
     assert errors == []
+
+
+def test_a_finished_requests_queued_writes_go_to_the_front_of_the_queue() -> None:
+    """DESIGN §6: writes of a finished or aborted request are escalated. With the committer held
+    inside one batch, a later step's tasks queue up behind it; finishing the last request of that
+    step moves its task ahead of the step's earlier ones."""
+    with small_cache(inline_write_bytes=0) as cache:
+        entered, gate = threading.Event(), threading.Event()
+        batches: list[list[str]] = []
+        write = cache._writer.write_batch
+
+        def held(groups):
+            batches.append([record.req_of(t) for record, ids in groups for t in ids])
+            entered.set()
+            assert gate.wait(10), "test gate never opened"
+            write(groups)
+
+        cache._writer.write_batch = held
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        first = cache.save(torch.ones(4, 2), {}, StepBatch(["a"], [4], np.arange(4)))
+        assert entered.wait(10)  # the committer holds a's batch
+        cache.begin_step(StepEvents(new=[NewRequest(r, [b]) for r, b in (("b", 1), ("c", 2), ("d", 3))]))
+        second = cache.save(torch.ones(12, 2), {}, StepBatch(["b", "c", "d"], [4, 4, 4], np.arange(4, 16)))
+        cache.begin_step(StepEvents(finished=["d"]))
+        gate.set()
+        cache.flush()
+        assert batches == [["a"], ["d", "b", "c"]]
+        cache.discard(first)
+        cache.discard(second)
