@@ -10,7 +10,7 @@ import torch
 from omni_pcache import InvalidInputError
 from omni_pcache._native import scatter_rows
 from omni_pcache.keys import KeySpec
-from omni_pcache.pool import HostPool
+from omni_pcache.pool import HostPool, row_bytes_view
 
 
 def blocks_in_request_order(rng: np.random.Generator, num_slots: int, block: int, rows: int) -> np.ndarray:
@@ -28,7 +28,10 @@ def blocks_in_request_order(rng: np.random.Generator, num_slots: int, block: int
     ids=["bf16x2048", "fp32x8x64", "fp32x16", "int64x3"],
 )
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_pool_writes_equal_an_indexed_scatter(row_shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> None:
+@pytest.mark.parametrize("as_bytes", [False, True], ids=["tensor", "byte_view"])  # (the committer passes page bytes)
+def test_pool_writes_equal_an_indexed_scatter(
+    row_shape: tuple[int, ...], dtype: torch.dtype, seed: int, as_bytes: bool
+) -> None:
     rng = np.random.default_rng(seed)
     num_slots = 4096
     pool = HostPool(num_slots)
@@ -39,7 +42,7 @@ def test_pool_writes_equal_an_indexed_scatter(row_shape: tuple[int, ...], dtype:
     for _ in range(3):  # later writes overwrite earlier ones
         slots = blocks_in_request_order(rng, num_slots, 16, int(rng.integers(1, 600)))
         rows = torch.randint(-1000, 1000, (slots.size, *row_shape)).to(dtype)
-        pool.write("k", slots, rows)
+        pool.write("k", slots, row_bytes_view(rows) if as_bytes else rows)
         want.index_copy_(0, torch.from_numpy(slots), rows)
         written.update(slots.tolist())
     at = torch.tensor(sorted(written))  # (rows never written are never read: the pool is not zeroed)

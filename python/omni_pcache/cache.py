@@ -178,7 +178,9 @@ class PrefixCache:
                 self._delivery.finish(req_id)
                 for write in self._open_writes.values():
                     task_id = write.task_of(req_id)
-                    if task_id in write.open:  # (not written yet; None is never in it)
+                    # Not forgotten yet (`_reap_completions` drops it from the native table; the
+                    # committer may have published it but not yet closed it in ``write.open``).
+                    if task_id is not None and task_id in self._records:
                         self._tasks.escalate(task_id)
                 flushed += self._deferred.finish(req_id)
             for req in scheduled:

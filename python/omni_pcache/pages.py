@@ -11,10 +11,12 @@ from __future__ import annotations
 import logging
 import threading
 
+import numpy as np
 import torch
 
 from omni_pcache.copy_engine import empty_host
 from omni_pcache.keys import KeySpec
+from omni_pcache.pool import row_bytes_view
 
 logger = logging.getLogger("omni_pcache")
 
@@ -29,6 +31,7 @@ class StagingPages:
         # One view per page, made once: a view costs microseconds and pages are asked for
         # several times per step on the engine thread and the committer.
         self._views: dict[str, tuple[torch.Tensor, ...]] = {}
+        self._bytes: dict[tuple[str, int], np.ndarray] = {}  # (key, page) -> its rows as uint8 (made when asked)
         self._lock = threading.Lock()
 
     def ensure(self, spec: KeySpec) -> None:
@@ -50,6 +53,15 @@ class StagingPages:
     def page(self, key: str, page: int) -> torch.Tensor:
         """The whole page ``page`` of ``key`` (a view)."""
         return self._views[key][page]
+
+    def page_bytes(self, key: str, page: int) -> np.ndarray:
+        """Page ``page`` of ``key`` as a ``(capacity, row_bytes)`` uint8 numpy array sharing its
+        memory (how the pool's native scatter reads rows; made once per page). Rows of zero
+        bytes have no such view."""
+        view = self._bytes.get((key, page))
+        if view is None:
+            view = self._bytes[(key, page)] = row_bytes_view(self._views[key][page])
+        return view
 
     def nbytes(self) -> dict[str, int]:
         with self._lock:

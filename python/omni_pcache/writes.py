@@ -178,7 +178,10 @@ class PoolWriter:
             return
         if record.deferred:
             rows = record.rows(spec, torch.from_numpy(at))
-        elif first >= 0:  # every row still owned, in page order: no gather
+        elif first >= 0 and spec.row_bytes:  # every row still owned, in page order: no gather,
+            # and the page's byte view (made once) rather than a new one per write
+            rows = record.pages.page_bytes(spec.name, record.page)[first : first + at.size]
+        elif first >= 0:
             rows = record.pages.page(spec.name, record.page)[first : first + at.size]
         else:
             rows = record.pages.page(spec.name, record.page).index_select(0, torch.from_numpy(at))
