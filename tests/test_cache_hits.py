@@ -166,6 +166,39 @@ def test_a_late_read_of_a_block_reused_while_its_write_was_in_flight() -> None:
         expect(cache.materialize(sid, ["d"]), "d", [(3, 0, 4), (4, 4, 1)])
 
 
+def test_blocks_of_two_requests_of_one_step_reused_while_their_writes_are_in_flight() -> None:
+    # As above, for two requests computing in one step (two write tasks of one step record):
+    # each task keeps aside its own rows for its own reader, whatever batches the writes land in.
+    with small_cache(inline_write_bytes=0) as cache:
+        gate = threading.Event()
+        write = cache._writer.write_batch
+
+        def gated_write(groups):
+            assert gate.wait(10), "test gate never opened"
+            write(groups)
+
+        cache._writer.write_batch = gated_write
+        step = run_step(
+            cache,
+            [NewRequest("a", [0, 1]), NewRequest("e", [2, 3]), NewRequest("b", [0, 4], 4), NewRequest("f", [2, 5], 4)],
+            reqs=[("a", [0, 1], 0, 6, 1), ("e", [2, 3], 0, 6, 5), ("b", [0, 4], 4, 2, 2), ("f", [2, 5], 4, 2, 6)],
+        )
+        reuse = run_step(
+            cache,
+            [NewRequest("c", [0]), NewRequest("g", [2])],
+            finished=["a", "b", "e", "f"],
+            reqs=[("c", [0], 0, 4, 3), ("g", [2], 0, 4, 7)],
+        )
+        gate.set()
+        out = cache.materialize(step, ["f", "b"])
+        expect(out, "b", [(1, 0, 4), (2, 4, 2)])
+        expect(out, "f", [(5, 0, 4), (6, 4, 2)])
+        assert cache.stats().rows_preserved == 16
+        cache.discard(reuse)
+        sid = run_step(cache, [NewRequest("d", [2, 6], 4)], finished=["c", "g"], reqs=[("d", [2, 6], 4, 1, 4)])
+        expect(cache.materialize(sid, ["d"]), "d", [(7, 0, 4), (4, 4, 1)])
+
+
 def test_a_slot_buffer_refilled_after_begin_step_does_not_change_a_saved_step() -> None:
     # The caller may refill its slot_mapping buffer once the next begin_step returns (vLLM
     # reuses one); a write still in transit then owes b's preserved rows and must find them by

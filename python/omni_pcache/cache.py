@@ -95,7 +95,8 @@ class PrefixCache:
         # Every task not yet forgotten (`_reap_completions`) -> the record holding it; a step's
         # immediate tasks share one `StepWrite`.
         self._records: dict[int, StepWrite | DeferredRecord] = {}
-        # Step writes with tasks not written yet, oldest first (a finished request's are escalated).
+        # Step writes with tasks not written yet, oldest first, where a finished request's writes
+        # are looked up to be escalated (pruned at `_reap_completions`; at most ~staging_depth).
         self._open_writes: dict[int, StepWrite] = {}
         self._delivery = DeliveryTracker(config.block_size)
         self._failure: WriteFailedError | None = None
@@ -468,12 +469,12 @@ class PrefixCache:
         """Forgets written tasks (engine thread). Under the ledger lock: `flush`, `_wait_tasks` and
         the failure path read ``_records`` from other threads under it."""
         completed = self._tasks.reap_completions().tolist()
-        if not completed:
-            return
         forget = self._records.pop
         with self._cond:
             for task_id in completed:
                 forget(task_id, None)
+            # (checked even when nothing completed now: a step's tasks may have been published
+            # before the committer closed them in ``open``, and reaped at the previous call)
             written = [step_id for step_id, write in self._open_writes.items() if not write.open]
             for step_id in written:
                 del self._open_writes[step_id]

@@ -138,9 +138,10 @@ class PoolWriter:
 
         ``groups`` are ``(record, task ids)`` runs (see `batch_groups`): a `StepWrite` or a
         `DeferredRecord` and tasks of it; every task is COPYING on entry and WRITTEN on return.
-        A step's tasks come in one run (queued and popped together), so their rows move with
-        one gather and one scatter per key. Raises on any failure, leaving the tasks for the
-        caller to fail.
+        A step's tasks are queued together, so they usually come as one run and their rows move
+        with one gather and one scatter per key; an escalated task, or a batch cut at
+        `Committer.max_batch`, splits a step into several runs, each written on its own. Raises
+        on any failure, leaving the tasks for the caller to fail.
         """
         task_ids = list(chain.from_iterable(ids for _, ids in groups))
         prepared: set[int] = set()
