@@ -25,6 +25,19 @@ def run_step(cache, new=(), finished=(), reqs=(), mm_fn=None):
     return cache.save(hidden, mm, batch([(r, c) for r, _, _, c, _ in reqs], slot_lists))
 
 
+def hold_writes(cache) -> threading.Event:
+    """Makes the pool's writer wait, inside each batch, until the returned gate is set."""
+    gate = threading.Event()
+    write = cache._writer.write_batch
+
+    def gated_write(groups):
+        assert gate.wait(10), "test gate never opened"
+        write(groups)
+
+    cache._writer.write_batch = gated_write
+    return gate
+
+
 def expect(out, req: str, spans: list[tuple[int, int, int]]) -> None:
     """``spans``: (writer, start, count) pieces the request's rows must consist of."""
     want = torch.cat([rows(w, s, c) for w, s, c in spans])
@@ -144,14 +157,7 @@ def test_a_late_read_of_a_block_reused_while_its_write_was_in_flight() -> None:
     # write lands. a skips the stolen slots, so b's preserved copy must come from a's staging
     # rows, and c's rows must win in the pool.
     with small_cache(inline_write_bytes=0) as cache:
-        gate = threading.Event()
-        write = cache._writer.write_batch
-
-        def gated_write(record):
-            assert gate.wait(10), "test gate never opened"
-            write(record)
-
-        cache._writer.write_batch = gated_write
+        gate = hold_writes(cache)
         step = run_step(
             cache,
             [NewRequest("a", [0, 1]), NewRequest("b", [0, 2], 4)],
@@ -170,14 +176,7 @@ def test_blocks_of_two_requests_of_one_step_reused_while_their_writes_are_in_fli
     # As above, for two requests computing in one step (two write tasks of one step record):
     # each task keeps aside its own rows for its own reader, whatever batches the writes land in.
     with small_cache(inline_write_bytes=0) as cache:
-        gate = threading.Event()
-        write = cache._writer.write_batch
-
-        def gated_write(groups):
-            assert gate.wait(10), "test gate never opened"
-            write(groups)
-
-        cache._writer.write_batch = gated_write
+        gate = hold_writes(cache)
         step = run_step(
             cache,
             [NewRequest("a", [0, 1]), NewRequest("e", [2, 3]), NewRequest("b", [0, 4], 4), NewRequest("f", [2, 5], 4)],
