@@ -291,13 +291,7 @@ class PrefixCache:
         if not immediate and not deferred:
             return task_ids, from_pool, from_deferred
         # (the slot mapping holds exactly the scheduled rows' slots; zero-count requests add none)
-        if 0 in shape.counts:
-            scheduled = [(req_id, start, count) for req_id, (start, count) in shape.rows.items() if count]
-            req_ids = [req_id for req_id, _, _ in scheduled]
-            starts = [start for _, start, _ in scheduled]
-            counts = [count for _, _, count in scheduled]
-        else:  # (every request has rows: a decode step)
-            req_ids, starts, counts = shape.req_ids, shape.starts[:-1], shape.counts
+        req_ids, starts, counts = shape.claim_req_ids, shape.claim_starts, shape.claim_counts
         slot_ids = shape.slot_mapping  # the scheduled rows' slots, in batch order (int64)
         with self._cond:
             if immediate:

@@ -17,16 +17,16 @@ from omni_pcache.events import NewRequest, ResumedRequest, StepBatch, StepEvents
 
 @dataclass(frozen=True, slots=True)
 class BatchShape:
-    """A checked batch: token counts, each request's row range (also as lists in batch order:
-    ``starts`` has one more entry, ``n``), and int64 slot ids."""
+    """A checked batch: token counts, each request's row range, and int64 slot ids; also the
+    requests that have rows this step, in batch order, as lists (what the claims take)."""
 
     n: int
     n_padded: int
     rows: dict[str, tuple[int, int]]
     slot_mapping: np.ndarray
-    req_ids: list[str]
-    starts: list[int]
-    counts: list[int]
+    claim_req_ids: list[str]
+    claim_starts: list[int]
+    claim_counts: list[int]
 
 
 def _int(value: object, what: str, minimum: int = 0) -> int:
@@ -126,4 +126,12 @@ def check_batch(batch: StepBatch, config: CacheConfig) -> BatchShape:
     check_slots(slots, config.num_slots, "slot_mapping")
     starts = list(itertools.accumulate(counts, initial=0))  # each request's first row (and the end: one more)
     rows: dict[str, tuple[int, int]] = dict(zip(req_ids, zip(starts, counts, strict=False), strict=True))
+    if 0 in counts:  # (C-level filters; a decode step, every request with rows, skips them)
+        req_ids, starts, counts = (
+            list(itertools.compress(req_ids, counts)),
+            list(itertools.compress(starts, counts)),
+            list(filter(None, counts)),
+        )
+    else:
+        starts.pop()
     return BatchShape(n, n_padded, rows, slots, req_ids, starts, counts)
