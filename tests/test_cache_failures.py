@@ -30,7 +30,7 @@ def test_a_failed_write_is_sticky_and_releases_everything(threaded: bool, inline
         raise boom
 
     if where == "pool_write":
-        cache._pool.write = fail
+        cache._writer.write_step = fail
     else:
         cache._writer.write_batch = fail
     cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))

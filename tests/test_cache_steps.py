@@ -115,6 +115,13 @@ def test_oversized_step_and_foreign_request_ids_raise_and_change_nothing() -> No
         (StepBatch(["a"], [2], np.array([5, 5])), r"slot_mapping: slot id 5 appears twice \(positions 0 and 1\)"),
         (StepBatch(["a"], [2], np.array([0.0, 1.0])), "slot_mapping must be a 1-D integer array"),
         (StepBatch(["a"], [2], np.arange(2), 1), "num_tokens_padded must be an int >= 2"),
+        (StepBatch(["a"], [True], np.arange(2)), "num_scheduled_tokens of 'a' must be an int >= 0, got True"),
+        (StepBatch(["a"], [1.0], np.arange(2)), "num_scheduled_tokens of 'a' must be an int >= 0, got 1.0"),
+        (
+            StepBatch(["a"], [2], np.arange(4).reshape(2, 2)),
+            r"slot_mapping must be a 1-D integer array, got int64 \(2, 2\)",
+        ),
+        (StepBatch(["a"], [2], np.array([64, 1], dtype=np.uint16)), r"slot_mapping: slot id 64 at position 0"),
     ],
 )
 def test_bad_batches_raise_and_the_cache_stays_usable(batch, message) -> None:
@@ -126,6 +133,36 @@ def test_bad_batches_raise_and_the_cache_stays_usable(batch, message) -> None:
         assert stats.steps_outstanding == [] and stats.tasks_live == 0 and stats.staging_holders == [[], [], []]
         out = cache.materialize(save_one(cache), ["a"])
         assert torch.equal(out.hidden["a"], torch.ones(2, 2))
+
+
+@pytest.mark.parametrize(
+    "mapping",
+    [
+        np.array([7, 8, 9, 0, 1, 63], dtype=np.int64),
+        np.array([7, 8, 9, 0, 1, -1, -1], dtype=np.int32),  # padded past the scheduled tokens
+        np.array([7, 0, 8, 0, 9, 0, 0, 0, 1, 0], dtype=np.int64)[::2],  # strided
+        np.array([7, 8, 9, 0, 1], dtype=np.uint16),  # another integer dtype: converted first
+        torch.tensor([7, 8, 9, 0, 1], dtype=torch.int32),  # a CPU tensor
+        [7, 8, 9, 0, 1],  # a list
+    ],
+    ids=["int64", "int32-padded", "strided", "uint16", "tensor", "list"],
+)
+def test_a_batch_becomes_rows_per_request_and_a_copy_of_its_slots(mapping) -> None:
+    """Whatever form the slot mapping takes, the step's rows go to its first n slots, each
+    request's rows are its range of the step, and requests without rows claim nothing."""
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1]), NewRequest("b", [2, 3]), NewRequest("c", [4])]))
+        batch = StepBatch(["a", "c", "b"], [3, 0, 2], mapping)
+        hidden = torch.arange(10.0).reshape(5, 2)
+        out = cache.materialize(cache.save(hidden, {}, batch), ["a", "b", "c"])
+        assert torch.equal(out.hidden["a"], hidden[:3]) and torch.equal(out.hidden["b"], hidden[3:])
+        assert out.hidden["c"].shape == (0, 2)
+        cache.flush()
+        assert cache.stats().bytes_written == {"hidden": 5 * 2 * 4}
+        pool = cache._pool.read("hidden", torch.tensor([7, 8, 9, 0, 1]))
+        assert torch.equal(pool, hidden), "row r went to slot_mapping[r]"
+        cache.begin_step(StepEvents(finished=["a", "b", "c"]))
+        assert cache.stats().tasks_live == 0
 
 
 @pytest.mark.parametrize(

@@ -15,14 +15,17 @@ from omni_pcache import NewRequest, StepBatch, StepEvents
 
 
 def recording_pool_writes(cache) -> list[str]:
+    """The thread of every pool write: a step's run of tasks (`PoolWriter.write_step`) or a
+    deferred record's key (`HostPool.write`)."""
     names: list[str] = []
-    write = cache._pool.write
+    for owner, name in ((cache._writer, "write_step"), (cache._pool, "write")):
+        write = getattr(owner, name)
 
-    def record(*args):
-        names.append(threading.current_thread().name)
-        write(*args)
+        def record(*args, write=write):
+            names.append(threading.current_thread().name)
+            write(*args)
 
-    cache._pool.write = record
+        setattr(owner, name, record)
     return names
 
 

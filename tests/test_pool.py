@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from omni_pcache import InvalidInputError
-from omni_pcache._native import scatter_rows
+from omni_pcache._native import Ledger, WriteTasks, scatter_rows, write_step_rows
 from omni_pcache.keys import KeySpec
 from omni_pcache.pool import HostPool, row_bytes_view
 
@@ -109,3 +109,44 @@ def test_a_slot_named_twice_is_written_like_index_copy() -> None:
     pool.write("k", slots, rows)
     want = torch.zeros(64, 512).index_copy_(0, torch.from_numpy(slots), rows)
     assert torch.equal(pool.read("k", torch.arange(4, 8)), want[4:8])
+
+
+def test_a_step_run_writes_only_the_rows_its_tasks_still_own() -> None:
+    """`write_step_rows`: two tasks of one step, a newer tenant took one of the first task's
+    slots in transit: the pool gets every other row from the page (the gather path), the
+    stolen slot keeps the newer tenant's value, and both tasks end WRITTEN."""
+    tasks, ledger = WriteTasks(), Ledger(16)
+    key = ledger.add_key()
+    page = np.arange(8 * 4, dtype=np.uint8).reshape(8, 4)  # eight staged rows of 4 bytes
+    pool = np.full((16, 4), 255, dtype=np.uint8)
+    first, second, newer = tasks.create_many(3)
+    ledger.claim_many(np.array([3, 4, 5, 9, 10], dtype=np.int64), [3, 2], key, [first, second])
+    ledger.claim(np.array([4], dtype=np.int64), key, newer)  # slot 4 moves on to a newer tenant
+    for t in (first, second):
+        tasks.enqueue(t, True)
+    assert sorted(tasks.pop_many(8)) == [first, second]
+    # the step's rows start at page row 2 (task `first`) and 5 (task `second`)
+    assert write_step_rows(tasks, ledger, [first, second], [2, 5], [(key, page, pool)]) == [4]
+    assert [tasks.state(t) for t in (first, second)] == ["WRITTEN", "WRITTEN"]
+    np.testing.assert_array_equal(pool[[3, 5, 9, 10]], page[[2, 4, 5, 6]])
+    np.testing.assert_array_equal(pool[4], np.full(4, 255, dtype=np.uint8))
+
+
+def test_a_step_run_that_does_not_fit_its_page_is_refused_before_anything_changes() -> None:
+    tasks, ledger = WriteTasks(), Ledger(16)
+    key = ledger.add_key()
+    (task,) = tasks.create_many(1)
+    ledger.claim_many(np.array([0, 1], dtype=np.int64), [2], key, [task])
+    tasks.enqueue(task, True)
+    tasks.pop_many(1)
+    pool = np.zeros((16, 4), dtype=np.uint8)
+    page = np.ones((4, 4), dtype=np.uint8)
+    with pytest.raises(InvalidInputError, match="page and pool must be C-contiguous rows of 4 bytes"):
+        write_step_rows(tasks, ledger, [task], [0], [(key, np.zeros((4, 8), dtype=np.uint8), pool)])
+    with pytest.raises(InvalidInputError, match=r"key#0: row position 4 at 1 is out of range \[0, 4\)"):
+        write_step_rows(tasks, ledger, [task], [3], [(key, page, pool)])
+    with pytest.raises(InvalidInputError, match=r"key#0: slot id 1 at position 1 is out of range \[0, 1\)"):
+        write_step_rows(tasks, ledger, [task], [0], [(key, page, np.zeros((1, 4), dtype=np.uint8))])
+    assert tasks.state(task) == "COPYING" and not pool.any(), "refused: nothing changed"
+    assert write_step_rows(tasks, ledger, [task], [2], [(key, page, pool)]) == [2]
+    assert tasks.state(task) == "WRITTEN" and pool[:2].all() and not pool[2:].any()

@@ -1,8 +1,8 @@
 """Type stubs of the native core (``crates/pcache-py``). Index arrays are int64 unless noted;
 inputs accept 1-D int64/int32 numpy arrays (or lists of ints) and are borrowed, not copied."""
 
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -153,6 +153,15 @@ def scatter_rows(pool: npt.NDArray[np.uint8], rows: npt.NDArray[np.uint8], slots
     arrays of the same row width), one copy per run of consecutive slots, without the GIL.
     Raises ``InvalidInputError``, having written nothing, for a slot outside the pool,
     mismatched widths or a non-contiguous array."""
+
+def check_batch(
+    req_ids: Iterable[Any], counts: Iterable[Any], slot_mapping: Any, capacity: int, num_slots: int
+) -> tuple[int, npt.NDArray[np.int64], dict[Any, tuple[int, int]], list[Any], list[int], list[int]] | None:
+    """One step's batch checked: ``(n, slots, rows, claim_req_ids, claim_starts, claim_counts)``
+    (the token count; the mapping's first ``n`` slot ids as a new int64 array; each request's
+    ``(first row, rows)``; the requests with rows, their first rows and counts, in batch order).
+    ``None`` when ``slot_mapping`` is not a 1-D int64/int32 numpy array (pass it again as
+    int64). Raises ``InvalidInputError`` for the first problem found, having built nothing."""
 
 def check_slots(slots: IndexLike, num_slots: int, what: str) -> None:
     """Raises ``InvalidInputError`` ("``what``: slot id S at position P is out of range

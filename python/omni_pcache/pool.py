@@ -62,7 +62,7 @@ class HostPool:
         checks or resolves them."""
         if isinstance(rows, np.ndarray):
             if rows.shape[0]:
-                scatter_rows(self._byte_rows(key), rows, slots)
+                scatter_rows(self.byte_rows(key), rows, slots)
             return
         pool = self._rows[key]
         if rows.shape[0] == 0 or pool.numel() == 0:  # (no rows, or rows of zero elements)
@@ -76,9 +76,9 @@ class HostPool:
         ):
             pool.index_copy_(0, torch.from_numpy(slots), rows)  # checks shapes; resolves conj/neg views
             return
-        scatter_rows(self._byte_rows(key), row_bytes_view(rows.contiguous()), slots)
+        scatter_rows(self.byte_rows(key), row_bytes_view(rows.contiguous()), slots)
 
-    def _byte_rows(self, key: str) -> np.ndarray:
+    def byte_rows(self, key: str) -> np.ndarray:
         """The key's storage as ``(num_slots, row_bytes)`` uint8 (made once; the writer)."""
         view = self._bytes.get(key)
         if view is None:

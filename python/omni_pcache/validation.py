@@ -3,19 +3,19 @@ batch raises `InvalidInputError` saying what was wrong and leaves the cache as i
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from omni_pcache._native import block_table, check_slots
+from omni_pcache._native import block_table
+from omni_pcache._native import check_batch as native_check_batch
 from omni_pcache.config import CacheConfig
 from omni_pcache.errors import InvalidInputError
 from omni_pcache.events import NewRequest, ResumedRequest, StepBatch, StepEvents
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # (not frozen: see `Scheduled`)
 class BatchShape:
     """A checked batch: token counts, each request's row range, and int64 slot ids; also the
     requests that have rows this step, in batch order, as lists (what the claims take)."""
@@ -92,46 +92,25 @@ def check_events(events: StepEvents, config: CacheConfig, is_live) -> list[Sched
 
 
 def check_batch(batch: StepBatch, config: CacheConfig) -> BatchShape:
-    """Checks a step's batch against the config."""
+    """Checks a step's batch against the config: natively, in one call (`_native.check_batch`),
+    for a slot mapping that is a 1-D int64/int32 array (numpy, or a CPU tensor); any other
+    integer array is converted to int64 here first."""
     if not isinstance(batch, StepBatch):
         raise InvalidInputError(f"save takes a StepBatch, got {type(batch).__name__}")
-    req_ids = list(batch.req_ids)
-    if len(req_ids) != len(batch.num_scheduled_tokens):
-        raise InvalidInputError(f"{len(req_ids)} req_ids but {len(batch.num_scheduled_tokens)} num_scheduled_tokens")
-    counts = list(batch.num_scheduled_tokens)
-    if counts and (set(map(type, counts)) != {int} or min(counts) < 0):  # (C-speed check of the common case)
-        counts = [_int(c, f"num_scheduled_tokens of {r!r}") for r, c in zip(req_ids, counts, strict=True)]
-    if len(set(req_ids)) != len(req_ids):
-        raise InvalidInputError(f"req_ids has duplicates: {req_ids}")
-    n = sum(counts)
-    n_padded = n if batch.num_tokens_padded is None else _int(batch.num_tokens_padded, "num_tokens_padded", n)
-    if n > config.staging_capacity_tokens:
-        raise InvalidInputError(
-            f"a step of {n} tokens exceeds staging_capacity_tokens={config.staging_capacity_tokens}; "
-            "size it to the scheduler's max_num_batched_tokens"
-        )
     mapping = batch.slot_mapping
     if isinstance(mapping, torch.Tensor):
         if mapping.device.type != "cpu":
             raise InvalidInputError("slot_mapping must be the CPU slot ids (no device sync), got a device tensor")
         mapping = mapping.numpy()
-    mapping = np.asarray(mapping)
-    if mapping.ndim != 1 or mapping.dtype.kind not in "iu":
-        raise InvalidInputError(f"slot_mapping must be a 1-D integer array, got {mapping.dtype} {mapping.shape}")
-    if mapping.size < n:
-        raise InvalidInputError(f"slot_mapping has {mapping.size} entries for {n} scheduled tokens")
-    # A copy, always: write records keep the step's slots until their writes land, and the
-    # caller may refill its slot buffer as soon as save returns (vLLM reuses one).
-    slots = np.array(mapping[:n], dtype=np.int64)
-    check_slots(slots, config.num_slots, "slot_mapping")
-    starts = list(itertools.accumulate(counts, initial=0))  # each request's first row (and the end: one more)
-    rows: dict[str, tuple[int, int]] = dict(zip(req_ids, zip(starts, counts, strict=False), strict=True))
-    if 0 in counts:  # (C-level filters; a decode step, every request with rows, skips them)
-        req_ids, starts, counts = (
-            list(itertools.compress(req_ids, counts)),
-            list(itertools.compress(starts, counts)),
-            list(filter(None, counts)),
-        )
-    else:
-        starts.pop()
+    # (the slots come back as a copy, always: write records keep them until their writes land,
+    # and the caller may refill its slot buffer as soon as save returns; vLLM reuses one)
+    args = (config.staging_capacity_tokens, config.num_slots)
+    checked = native_check_batch(batch.req_ids, batch.num_scheduled_tokens, mapping, *args)
+    if checked is None:  # not an int64/int32 numpy array
+        mapping = np.asarray(mapping)
+        if mapping.ndim != 1 or mapping.dtype.kind not in "iu":
+            raise InvalidInputError(f"slot_mapping must be a 1-D integer array, got {mapping.dtype} {mapping.shape}")
+        checked = native_check_batch(batch.req_ids, batch.num_scheduled_tokens, mapping.astype(np.int64), *args)
+    n, slots, rows, req_ids, starts, counts = checked
+    n_padded = n if batch.num_tokens_padded is None else _int(batch.num_tokens_padded, "num_tokens_padded", n)
     return BatchShape(n, n_padded, rows, slots, req_ids, starts, counts)

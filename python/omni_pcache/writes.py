@@ -6,8 +6,8 @@ immediate key (a `omni_pcache.deferred.DeferredRecord` holds one request's defer
 steps instead). The step's tasks share one object, so a decode step of hundreds of requests
 costs a few lists, not an object per request. `PoolWriter.write_batch` waits the rows' copy,
 scatters the rows each task still owns into the pool (rows stolen by a newer tenant are
-skipped), commits them, and fills the copy-on-write obligations that were registered on the
-tasks while they were in transit.
+skipped; a step's run of tasks in one native call), commits them, and fills the copy-on-write
+obligations that were registered on the tasks while they were in transit.
 
 Both kinds of record answer for the tasks they hold (`is_done`, `req_of`, `slot_rows`,
 `finish_tasks`), so the cache keeps one ``task id -> record`` map for both.
@@ -28,7 +28,7 @@ from operator import itemgetter
 import numpy as np
 import torch
 
-from omni_pcache._native import Ledger, WriteTasks
+from omni_pcache._native import Ledger, WriteTasks, write_step_rows
 from omni_pcache.copy_engine import CopyHandle
 from omni_pcache.keys import KeySpec
 from omni_pcache.pages import StagingPages
@@ -138,10 +138,10 @@ class PoolWriter:
 
         ``groups`` are ``(record, task ids)`` runs (see `batch_groups`): a `StepWrite` or a
         `DeferredRecord` and tasks of it; every task is COPYING on entry and WRITTEN on return.
-        A step's tasks are queued together, so they usually come as one run and their rows move
-        with one gather and one scatter per key; an escalated task, or a batch cut at
-        `Committer.max_batch`, splits a step into several runs, each written on its own. Raises
-        on any failure, leaving the tasks for the caller to fail.
+        A step's tasks are queued together, so they usually come as one run, written in one
+        native call (`write_step`); an escalated task, or a
+        batch cut at `Committer.max_batch`, splits a step into several runs, each written on its
+        own. Raises on any failure, leaving the tasks for the caller to fail.
         """
         task_ids = list(chain.from_iterable(ids for _, ids in groups))
         prepared: set[int] = set()
@@ -149,11 +149,14 @@ class PoolWriter:
             if id(record) not in prepared:  # one wait per record: a step's tasks share its copy handle
                 prepared.add(id(record))
                 record.prepare()
-        self._tasks.copy_done_many(task_ids)
         for record, ids in groups:
-            for spec in record.keys:
-                self._scatter(spec, record, ids)
-        self._tasks.written_many(task_ids)
+            if record.deferred:
+                self._tasks.copy_done_many(ids)
+                for spec in record.keys:
+                    self._scatter_deferred(spec, record, ids)
+                self._tasks.written_many(ids)
+                continue
+            self.write_step(record, ids)
         owed = []
         with self._cond:
             self._ledger.commit_many(task_ids)
@@ -170,21 +173,22 @@ class PoolWriter:
         for record, task_id, (spec, slots, versions) in owed:
             self._preserved.fill(spec.name, slots, versions, record.slot_rows(task_id, spec, slots))
 
-    def _scatter(self, spec: KeySpec, record, task_ids: list[int]) -> None:
-        """One gather from the tasks' host rows and one scatter into the pool for ``spec`` (the
-        ledger says which rows are still owned, and whether they form one range)."""
-        offsets = [0] if record.deferred else record.offsets(task_ids)
-        at, slot_ids, first = self._ledger.owned_many(task_ids, spec.key_id, offsets)
+    def write_step(self, record: StepWrite, task_ids: list[int]) -> None:
+        """A run of one step's tasks (COPYING) written into the pool (WRITTEN, not committed),
+        in one native call: their transitions, the rows they still own and one page → pool copy
+        per run of slots, without the GIL (`_native.write_step_rows`)."""
+        keys = [spec for spec in record.keys if spec.row_bytes]  # (rows of no bytes move nothing)
+        pages, page, pool = record.pages, record.page, self._pool
+        targets = [(spec.key_id, pages.page_bytes(spec.name, page), pool.byte_rows(spec.name)) for spec in keys]
+        written = write_step_rows(self._tasks, self._ledger, task_ids, record.offsets(task_ids), targets)
+        for spec, rows in zip(keys, written, strict=True):
+            self.bytes_written[spec.name] = self.bytes_written.get(spec.name, 0) + rows * spec.row_bytes
+
+    def _scatter_deferred(self, spec: KeySpec, record, task_ids: list[int]) -> None:
+        """A deferred record's owned rows of ``spec`` (the ledger says which) gathered from its
+        device clone and scattered into the pool."""
+        at, slot_ids, _ = self._ledger.owned_many(task_ids, spec.key_id, [0])
         if slot_ids.size == 0:
             return
-        if record.deferred:
-            rows = record.rows(spec, torch.from_numpy(at))
-        elif first >= 0 and spec.row_bytes:  # every row still owned, in page order: no gather,
-            # and the page's byte view (made once) rather than a new one per write
-            rows = record.pages.page_bytes(spec.name, record.page)[first : first + at.size]
-        elif first >= 0:
-            rows = record.pages.page(spec.name, record.page)[first : first + at.size]
-        else:
-            rows = record.pages.page(spec.name, record.page).index_select(0, torch.from_numpy(at))
-        self._pool.write(spec.name, slot_ids, rows)
+        self._pool.write(spec.name, slot_ids, record.rows(spec, torch.from_numpy(at)))
         self.bytes_written[spec.name] = self.bytes_written.get(spec.name, 0) + slot_ids.size * spec.row_bytes

@@ -11,12 +11,14 @@
 //!   copy-on-write preservation lists;
 //! - [`step_ids`]: exactly-once step ids;
 //! - [`staging`]: the staging-slot registry (a ring of pages with holders and timeouts);
+//! - [`batch`]: a step's batch checked (token count, slot mapping) and its requests' rows;
 //! - [`block_table`]: block tables checked, and the slots of a span of positions;
 //! - [`row_scatter`]: rows copied into the pool slots a slot list names, run by run;
 //! - [`hashing`]: chained 128-bit block hashes over token ids.
 //!
 //! The Python binding (`crates/pcache-py`) is a thin layer over these types.
 
+pub mod batch;
 pub mod block_table;
 pub mod error;
 pub mod hashing;

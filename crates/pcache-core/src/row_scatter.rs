@@ -22,6 +22,14 @@ pub enum RowScatterError {
         row_bytes: usize,
     },
 
+    /// A source row outside the rows gathered from (negative positions included).
+    #[error("row position {row} at {position} is out of range [0, {num_rows})")]
+    RowOutOfRange {
+        row: i64,
+        position: usize,
+        num_rows: usize,
+    },
+
     /// A slot outside the pool (negative ids included).
     #[error("slot id {slot} at position {position} is out of range [0, {num_rows})")]
     SlotOutOfRange {
@@ -31,28 +39,28 @@ pub enum RowScatterError {
     },
 }
 
-/// Copies row `i` of `rows` to row `slots[i]` of `pool` (rows of `row_bytes` bytes), one
-/// `copy_from_slice` per run of consecutive slots. A slot named twice gets its last row.
-pub fn scatter_rows(
-    pool: &mut [u8],
-    rows: &[u8],
+/// What `scatter_rows` checks before writing anything, for a pool of `pool_bytes` and rows of
+/// `rows_bytes`: a caller writing several keys checks every key first, so a refusal writes none.
+pub fn check_scatter(
+    pool_bytes: usize,
+    rows_bytes: usize,
     row_bytes: usize,
     slots: &[i64],
 ) -> Result<(), RowScatterError> {
-    if row_bytes == 0 || pool.len() % row_bytes != 0 {
+    if row_bytes == 0 || pool_bytes % row_bytes != 0 {
         return Err(RowScatterError::BadRowSize {
             row_bytes,
-            pool_bytes: pool.len(),
+            pool_bytes,
         });
     }
-    if slots.len().checked_mul(row_bytes) != Some(rows.len()) {
+    if slots.len().checked_mul(row_bytes) != Some(rows_bytes) {
         return Err(RowScatterError::RowCountMismatch {
             num_slots: slots.len(),
-            rows_bytes: rows.len(),
+            rows_bytes,
             row_bytes,
         });
     }
-    let num_rows = pool.len() / row_bytes;
+    let num_rows = pool_bytes / row_bytes;
     if let Some((position, &slot)) = slots
         .iter()
         .enumerate()
@@ -64,6 +72,18 @@ pub fn scatter_rows(
             num_rows,
         });
     }
+    Ok(())
+}
+
+/// Copies row `i` of `rows` to row `slots[i]` of `pool` (rows of `row_bytes` bytes), one
+/// `copy_from_slice` per run of consecutive slots. A slot named twice gets its last row.
+pub fn scatter_rows(
+    pool: &mut [u8],
+    rows: &[u8],
+    row_bytes: usize,
+    slots: &[i64],
+) -> Result<(), RowScatterError> {
+    check_scatter(pool.len(), rows.len(), row_bytes, slots)?;
     let mut first = 0; // first row of the current run
     while first < slots.len() {
         let mut end = first + 1;
@@ -76,6 +96,46 @@ pub fn scatter_rows(
         first = end;
     }
     Ok(())
+}
+
+/// Rows `positions[0], positions[1], ..` of `rows` (rows of `row_bytes` bytes) copied out back
+/// to back, one copy per run of consecutive positions: the rows a write task still owns when a
+/// newer tenant took some of its slots. Refuses a position outside `rows`.
+pub fn gather_rows(
+    rows: &[u8],
+    row_bytes: usize,
+    positions: &[i64],
+) -> Result<Vec<u8>, RowScatterError> {
+    if row_bytes == 0 || rows.len() % row_bytes != 0 {
+        return Err(RowScatterError::BadRowSize {
+            row_bytes,
+            pool_bytes: rows.len(),
+        });
+    }
+    let num_rows = rows.len() / row_bytes;
+    if let Some((position, &row)) = positions
+        .iter()
+        .enumerate()
+        .find(|&(_, &p)| p < 0 || p as u64 >= num_rows as u64)
+    {
+        return Err(RowScatterError::RowOutOfRange {
+            row,
+            position,
+            num_rows,
+        });
+    }
+    let mut out = Vec::with_capacity(positions.len() * row_bytes);
+    let mut first = 0;
+    while first < positions.len() {
+        let mut end = first + 1;
+        while end < positions.len() && positions[end] == positions[end - 1] + 1 {
+            end += 1;
+        }
+        let at = positions[first] as usize * row_bytes;
+        out.extend_from_slice(&rows[at..at + (end - first) * row_bytes]);
+        first = end;
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -105,6 +165,28 @@ mod tests {
             indexed(&mut want, &rows, row_bytes, &slots);
             assert_eq!(got, want, "slots {slots:?}");
         }
+    }
+
+    #[test]
+    fn gathered_rows_come_in_position_order() {
+        let rows: Vec<u8> = (0..12).collect(); // six rows of two bytes
+        assert_eq!(
+            gather_rows(&rows, 2, &[4, 5, 0, 2, 3]).unwrap(),
+            vec![8, 9, 10, 11, 0, 1, 4, 5, 6, 7]
+        );
+        assert!(gather_rows(&rows, 2, &[]).unwrap().is_empty());
+        assert_eq!(
+            gather_rows(&rows, 2, &[1, 6]).unwrap_err().to_string(),
+            "row position 6 at 1 is out of range [0, 6)"
+        );
+        assert!(matches!(
+            gather_rows(&rows, 2, &[-1]),
+            Err(RowScatterError::RowOutOfRange { row: -1, .. })
+        ));
+        assert!(matches!(
+            gather_rows(&rows, 5, &[0]),
+            Err(RowScatterError::BadRowSize { .. })
+        ));
     }
 
     #[test]

@@ -74,6 +74,22 @@ pub struct Ledger {
     inner: Mutex<pcache_core::Ledger>,
 }
 
+impl Ledger {
+    /// `(positions, slots)` several tasks still own on `key_id` (see `owned_many`).
+    pub(crate) fn owned_rows(
+        &self,
+        task_ids: &[u64],
+        key_id: u32,
+        offsets: &[i64],
+    ) -> PyResult<(Vec<i64>, Vec<i64>)> {
+        let tasks: Vec<TaskId> = task_ids.iter().copied().map(TaskId).collect();
+        self.inner
+            .lock()
+            .owned_many(&tasks, KeyId(key_id), offsets)
+            .py_err()
+    }
+}
+
 #[pymethods]
 impl Ledger {
     /// A ledger of `num_slots` slots (`num_blocks * block_size`); zero raises `ConfigError`.
@@ -156,12 +172,7 @@ impl Ledger {
         key_id: u32,
         offsets: Vec<i64>,
     ) -> PyResult<(IntArray, IntArray, i64)> {
-        let tasks: Vec<TaskId> = task_ids.into_iter().map(TaskId).collect();
-        let (positions, slots) = self
-            .inner
-            .lock()
-            .owned_many(&tasks, KeyId(key_id), &offsets)
-            .py_err()?;
+        let (positions, slots) = self.owned_rows(&task_ids, key_id, &offsets)?;
         let first = pcache_core::ledger::contiguous_from(&positions).unwrap_or(-1);
         Ok((int_array(py, positions), int_array(py, slots), first))
     }

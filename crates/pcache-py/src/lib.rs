@@ -5,6 +5,7 @@
 //! lists (short calls keep it: see `convert::detach_for`), calls the core, and maps errors in
 //! one place ([`errors`]).
 
+mod batch;
 mod block_table;
 mod convert;
 mod errors;
@@ -29,9 +30,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<registries::StepIds>()?;
     m.add_class::<registries::StagingSlots>()?;
     m.add_function(wrap_pyfunction!(hashing::block_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(batch::check_batch, m)?)?;
     m.add_function(wrap_pyfunction!(block_table::block_table, m)?)?;
     m.add_function(wrap_pyfunction!(block_table::block_slots, m)?)?;
     m.add_function(wrap_pyfunction!(block_table::check_slots, m)?)?;
     m.add_function(wrap_pyfunction!(scatter::scatter_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(scatter::write_step_rows, m)?)?;
     Ok(())
 }

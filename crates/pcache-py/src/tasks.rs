@@ -33,6 +33,20 @@ impl WriteTasks {
             .map(drop)
             .py_err()
     }
+
+    /// COPYING → HOST_READY for each task in order, stopping at the first refused transition.
+    pub(crate) fn copy_done_all(&self, task_ids: &[u64]) -> PyResult<()> {
+        task_ids
+            .iter()
+            .try_for_each(|&id| self.transition(id, TaskStateCell::copy_done))
+    }
+
+    /// HOST_READY → WRITTEN for each task in order, stopping at the first refused transition.
+    pub(crate) fn written_all(&self, task_ids: &[u64]) -> PyResult<()> {
+        task_ids
+            .iter()
+            .try_for_each(|&id| self.transition(id, TaskStateCell::written))
+    }
 }
 
 #[pymethods]
@@ -156,12 +170,12 @@ impl WriteTasks {
 
     /// COPYING → HOST_READY for each task in order, stopping at the first refused transition.
     fn copy_done_many(&self, task_ids: Vec<u64>) -> PyResult<()> {
-        task_ids.into_iter().try_for_each(|id| self.copy_done(id))
+        self.copy_done_all(&task_ids)
     }
 
     /// HOST_READY → WRITTEN for each task in order, stopping at the first refused transition.
     fn written_many(&self, task_ids: Vec<u64>) -> PyResult<()> {
-        task_ids.into_iter().try_for_each(|id| self.written(id))
+        self.written_all(&task_ids)
     }
 
     /// Publishes several WRITTEN or FAILED tasks on the completion queue, in order.
