@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from omni_pcache import InvalidInputError
-from omni_pcache._native import Ledger, WriteTasks, scatter_rows, write_step_rows
+from omni_pcache._native import Ledger, StagingSlots, WriteTasks, claim_step, scatter_rows, write_step_rows
 from omni_pcache.keys import KeySpec
 from omni_pcache.pool import HostPool, row_bytes_view
 
@@ -150,3 +150,24 @@ def test_a_step_run_that_does_not_fit_its_page_is_refused_before_anything_change
     assert tasks.state(task) == "COPYING" and not pool.any(), "refused: nothing changed"
     assert write_step_rows(tasks, ledger, [task], [2], [(key, page, pool)]) == [2]
     assert tasks.state(task) == "WRITTEN" and pool[:2].all() and not pool[2:].any()
+
+
+def test_a_step_claim_creates_tasks_claims_every_key_and_holds_the_page() -> None:
+    """`claim_step`: one task per request, its slots claimed on each key, each task a holder of
+    the step's page; a key's outcome is None unless the claim stole a slot in transit."""
+    tasks, ledger, staging = WriteTasks(), Ledger(16), StagingSlots(2)
+    keys = [ledger.add_key(), ledger.add_key()]
+    page = staging.claim(("step", 0))
+    (older,) = tasks.create_many(1)
+    ledger.claim(np.array([6], dtype=np.int64), keys[1], older)  # in transit on key 1 only
+    ids, outcomes = claim_step(tasks, ledger, staging, page, np.array([4, 5, 6], dtype=np.int64), [2, 1], keys)
+    assert ids == [older + 1, older + 2]
+    assert outcomes[0] is None
+    assert outcomes[1].stolen_slots.tolist() == [6] and outcomes[1].stolen_from.tolist() == [older]
+    assert ledger.owned(ids[0], keys[0])[1].tolist() == [4, 5] and ledger.owned(ids[1], keys[1])[1].tolist() == [6]
+    assert sorted(staging.holders()[page]) == [("step", 0), ("task", ids[0]), ("task", ids[1])]
+    assert [tasks.state(t) for t in ids] == ["PENDING", "PENDING"]
+    live = len(tasks)
+    with pytest.raises(InvalidInputError, match="2 counts for 2 tasks, summing to 2 for 3 slots"):
+        claim_step(tasks, ledger, staging, page, np.array([1, 2, 3], dtype=np.int64), [1, 1], keys)
+    assert len(tasks) == live, "a refused claim leaves no task behind"

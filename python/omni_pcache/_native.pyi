@@ -154,6 +154,33 @@ def scatter_rows(pool: npt.NDArray[np.uint8], rows: npt.NDArray[np.uint8], slots
     Raises ``InvalidInputError``, having written nothing, for a slot outside the pool,
     mismatched widths or a non-contiguous array."""
 
+def claim_step(
+    tasks: WriteTasks,
+    ledger: Ledger,
+    staging: StagingSlots,
+    page: int,
+    slots: IndexLike,
+    counts: Sequence[int],
+    key_ids: Sequence[int],
+) -> tuple[list[int], list[ClaimOutcome | None]]:
+    """A step's immediate claims in one call: ``len(counts)`` new PENDING tasks, the step's
+    ``slots`` claimed for them on every key (as `Ledger.claim_many`), each task a holder of
+    staging page ``page``. Returns the task ids and per key its outcome, ``None`` when the claim
+    stole nothing and moved no captured row (caller holds the cache's ledger lock)."""
+
+def write_step_rows(
+    tasks: WriteTasks,
+    ledger: Ledger,
+    task_ids: Sequence[int],
+    offsets: Sequence[int],
+    keys: Sequence[tuple[int, npt.NDArray[np.uint8], npt.NDArray[np.uint8]]],
+) -> list[int]:
+    """A run of one step's COPYING tasks written into the pool (WRITTEN, not committed): per
+    ``(key_id, page bytes, pool bytes)``, the rows the tasks still own copied from the staging
+    page (task ``i``'s rows from page row ``offsets[i]``) to their slots, without the GIL.
+    Returns the rows written per key. Refuses a page/pool that does not fit
+    (``InvalidInputError``) before anything changes."""
+
 def check_batch(
     req_ids: Iterable[Any], counts: Iterable[Any], slot_mapping: Any, capacity: int, num_slots: int
 ) -> tuple[int, npt.NDArray[np.int64], dict[Any, tuple[int, int]], list[Any], list[int], list[int]] | None:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from omni_pcache._native import Ledger, StagingSlots, WriteTasks
+from omni_pcache._native import Ledger, StagingSlots, WriteTasks, claim_step
 from omni_pcache.committer import Committer
 from omni_pcache.config import CacheConfig, CachePolicy
 from omni_pcache.copy_engine import CopyEngine, CopyHandle
@@ -295,18 +295,20 @@ class PrefixCache:
         slot_ids = shape.slot_mapping  # the scheduled rows' slots, in batch order (int64)
         with self._cond:
             if immediate:
-                task_ids = self._tasks.create_many(len(req_ids))
+                # (one native call: the tasks, their claims on every immediate key, their page holds)
+                key_ids = [spec.key_id for spec in immediate]
+                task_ids, outcomes = claim_step(
+                    self._tasks, self._ledger, self._staging, page, slot_ids, counts, key_ids
+                )
                 write = StepWrite.of(
                     step_id, page, tuple(immediate), handle, slot_ids, self._pages, task_ids, req_ids, starts, counts
                 )
                 self._records.update(zip(task_ids, [write] * len(task_ids), strict=True))
                 if task_ids:
                     self._open_writes[step_id] = write
-                for spec in immediate:
-                    out = self._ledger.claim_many(shape.slot_mapping, counts, spec.key_id, task_ids)
-                    if out.preserve_slots.size:
+                for spec, out in zip(immediate, outcomes, strict=True):
+                    if out is not None and out.preserve_slots.size:
                         self._register_obligations(spec, out, step_id, from_pool, from_deferred)
-                self._staging.hold_many(page, "task", task_ids)
             if deferred:
                 owners = []
                 for req_id, start, count in zip(req_ids, starts, counts, strict=True):

@@ -46,7 +46,7 @@ pub struct ReadPlan {
 }
 
 /// Hands a claim's outcome to Python (one shared empty array in the common case).
-fn outcome(py: Python<'_>, out: pcache_core::ClaimOutcome) -> ClaimOutcome {
+pub(crate) fn outcome(py: Python<'_>, out: pcache_core::ClaimOutcome) -> ClaimOutcome {
     if out.stolen_slots.is_empty() && out.preserve_slots.is_empty() {
         // The common case: nothing to report; share one empty array per dtype.
         let empty = int_array(py, Vec::new());
@@ -75,6 +75,11 @@ pub struct Ledger {
 }
 
 impl Ledger {
+    /// The core ledger, locked (one short critical section; never held across a GIL wait).
+    pub(crate) fn lock(&self) -> parking_lot::MutexGuard<'_, pcache_core::Ledger> {
+        self.inner.lock()
+    }
+
     /// `(positions, slots)` several tasks still own on `key_id` (see `owned_many`).
     pub(crate) fn owned_rows(
         &self,

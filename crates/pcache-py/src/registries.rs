@@ -75,6 +75,13 @@ pub struct StagingSlots {
     inner: pcache_core::StagingSlots,
 }
 
+impl StagingSlots {
+    /// Adds `holder` to staging slot `slot`.
+    pub(crate) fn hold_for(&self, slot: usize, holder: Holder) -> PyResult<()> {
+        self.inner.hold(slot, holder).py_err()
+    }
+}
+
 #[pymethods]
 impl StagingSlots {
     /// `num_slots` free slots; zero raises `ConfigError`.

@@ -34,6 +34,19 @@ impl WriteTasks {
             .py_err()
     }
 
+    /// Issues `n` new tasks in PENDING; returns their ids (increasing).
+    pub(crate) fn create_ids(&self, n: usize) -> Vec<u64> {
+        (0..n).map(|_| self.table.create().id().0).collect()
+    }
+
+    /// Drops tasks just created by a call that was then refused (PENDING → FAILED, removed).
+    pub(crate) fn discard_new(&self, task_ids: &[u64]) {
+        for &id in task_ids {
+            let _ = self.transition(id, TaskStateCell::fail);
+            let _ = self.table.remove(TaskId(id));
+        }
+    }
+
     /// COPYING → HOST_READY for each task in order, stopping at the first refused transition.
     pub(crate) fn copy_done_all(&self, task_ids: &[u64]) -> PyResult<()> {
         task_ids
@@ -66,7 +79,7 @@ impl WriteTasks {
 
     /// Issues `n` new tasks in PENDING; returns their ids (increasing).
     fn create_many(&self, n: usize) -> Vec<u64> {
-        (0..n).map(|_| self.table.create().id().0).collect()
+        self.create_ids(n)
     }
 
     /// `enqueue` for several tasks, in order; stops at the first refusal (the ones before it
