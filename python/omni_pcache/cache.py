@@ -230,7 +230,9 @@ class PrefixCache:
             copy = self._copies.start()
             sources: dict[str, torch.Tensor] = {}
             for spec in immediate:
-                src = cached[spec.name][1][: shape.n]
+                src = cached[spec.name][1]
+                if src.shape[0] != shape.n:  # (padded past the scheduled rows; else no view to make)
+                    src = src[: shape.n]
                 copy.copy(self._pages.page(spec.name, page)[: shape.n], src)
                 if not src.is_cuda:
                     sources[spec.name] = src

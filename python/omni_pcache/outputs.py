@@ -26,7 +26,7 @@ from omni_pcache.deferred import Clone
 from omni_pcache.events import StepOutputs
 from omni_pcache.pages import StagingPages
 from omni_pcache.reads import HitRead, HitReader
-from omni_pcache.snapshot import slice_leftover
+from omni_pcache.snapshot import is_per_row
 from omni_pcache.stats import Counters
 
 
@@ -93,17 +93,17 @@ class OutputBuilder:
                 per_key[name] = dict(zip(misses, pieces, strict=True))
         hidden: dict[str, Any] | None = per_key.get(HIDDEN, {}) if HIDDEN in record.keys else None
         mm: dict[str, dict[str, Any]] = {name: per_key.get(name, {}) for name in record.keys if name != HIDDEN}
-        mm.update({name: dict.fromkeys(req_ids) for name in record.leftover})
+        for name, value in record.leftover.items():  # whole, or each request's rows of it
+            if is_per_row(value, record.n, record.n_padded):
+                spans = [record.rows[req_id] for req_id in req_ids]
+                mm[name] = {req_id: value[s : s + c] for req_id, (s, c, _) in zip(req_ids, spans, strict=True)}
+            else:
+                mm[name] = dict.fromkeys(req_ids, value)
         for req_id, out in hit_out.items():  # this step's rows behind the hit's
             start, count, drop = record.rows[req_id]
             for name, src in sources.items():
                 out[name][out[name].shape[0] - (count - drop) :].copy_(src[start + drop : start + count])
                 (hidden if name == HIDDEN else mm[name])[req_id] = out[name]  # type: ignore[index]
-        if record.leftover:
-            for req_id in req_ids:
-                start, count, _ = record.rows[req_id]
-                for name, value in record.leftover.items():
-                    mm[name][req_id] = slice_leftover(value, start, start + count, record.n, record.n_padded)
         return StepOutputs(hidden, mm)
 
     def _sources_in_place(self, record: StepRecord) -> bool:
@@ -151,7 +151,7 @@ class OutputBuilder:
         shared = {}
         for name, src in sources.items():
             if index is None:
-                rows = src[begin:end]
+                rows = src if begin == 0 and end == src.shape[0] else src[begin:end]  # (a view less: every row)
                 shared[name] = rows.cpu() if rows.is_cuda else rows.clone()
             else:
                 shared[name] = src.index_select(0, index.to(src.device)).cpu()

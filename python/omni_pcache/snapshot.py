@@ -33,9 +33,7 @@ def snapshot(value: Any, engine: StepCopy) -> Any:
     return copy.deepcopy(value)
 
 
-def slice_leftover(value: Any, start: int, stop: int, n: int, n_padded: int) -> Any:
-    """One request's share of a leftover entry: a tensor whose dim 0 is the step's token count
-    is sliced to the request's rows; everything else is passed whole."""
-    if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] in (n, n_padded):
-        return value[start:stop]
-    return value
+def is_per_row(value: Any, n: int, n_padded: int) -> bool:
+    """Whether a leftover entry is sliced per request: a tensor whose dim 0 is the step's token
+    count (padded or not); everything else is passed to every request whole."""
+    return isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] in (n, n_padded)
