@@ -358,7 +358,11 @@ class PrefixCache:
         the committer, or the engine thread in `Committer.write_now`)."""
         if self._failure is not None:
             raise self._failure
-        groups = batch_groups(task_ids, [self._records[t] for t in task_ids])
+        first = self._records[task_ids[0]]
+        if not first.deferred and task_ids == first.task_ids:  # a whole step, in order: the usual batch
+            groups = [(first, task_ids)]
+        else:
+            groups = batch_groups(task_ids, [self._records[t] for t in task_ids])
         self._writer.write_batch(groups)
         for record, ids in groups:
             if record.deferred:
@@ -466,7 +470,7 @@ class PrefixCache:
     def _reap_completions(self) -> None:
         """Forgets written tasks (engine thread). Under the ledger lock: `flush`, `_wait_tasks` and
         the failure path read ``_records`` from other threads under it."""
-        completed = self._tasks.reap_completions().tolist()
+        completed = self._tasks.reap_completions()
         forget = self._records.pop
         with self._cond:
             for task_id in completed:

@@ -40,6 +40,11 @@ class KeySpec:
         return f"{self.name!r} rows {tuple(self.row_shape)} {str(self.dtype).removeprefix('torch.')}"
 
 
+def _what(name: str) -> str:
+    """How an error message names a key."""
+    return "hidden states" if name == HIDDEN else f"mm key {name!r}"
+
+
 def _is_per_token(value: Any, n: int, n_padded: int) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] in (n, n_padded)
 
@@ -60,17 +65,16 @@ class KeyRegistry:
         return self._specs
 
     def _check(self, name: str, value: Any, n: int, n_padded: int, spec: KeySpec | None) -> None:
-        what = "hidden states" if name == HIDDEN else f"mm key {name!r}"
         if not isinstance(value, torch.Tensor):
-            raise InvalidInputError(f"{what} must be a tensor, got {type(value).__name__}")
+            raise InvalidInputError(f"{_what(name)} must be a tensor, got {type(value).__name__}")
         if value.dim() < 1 or value.shape[0] not in (n, n_padded):
             raise InvalidInputError(
-                f"{what} has shape {tuple(value.shape)}; dim 0 must be the step's token count "
+                f"{_what(name)} has shape {tuple(value.shape)}; dim 0 must be the step's token count "
                 f"{n} (or the padded count {n_padded})"
             )
-        if spec is not None and (tuple(value.shape[1:]) != spec.row_shape or value.dtype != spec.dtype):
+        if spec is not None and (value.shape[1:] != spec.row_shape or value.dtype != spec.dtype):
             got = f"rows {tuple(value.shape[1:])} {str(value.dtype).removeprefix('torch.')}"
-            raise InvalidInputError(f"{what} was classified as {spec.describe()}, but this step has {got}")
+            raise InvalidInputError(f"{_what(name)} was classified as {spec.describe()}, but this step has {got}")
 
     def _spec_for(self, name: str, value: torch.Tensor) -> KeySpec:
         spec = self._specs.get(name)

@@ -20,6 +20,7 @@ use crate::tasks::WriteTasks;
 /// slot is out of range or named twice) leaves no task behind. The caller holds the cache's
 /// ledger lock, as for the claims it replaces.
 #[pyfunction]
+#[allow(clippy::too_many_arguments)] // (the Python call's arguments, one per thing it touches)
 pub fn claim_step(
     py: Python<'_>,
     tasks: &Bound<'_, WriteTasks>,

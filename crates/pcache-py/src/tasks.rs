@@ -90,9 +90,10 @@ impl WriteTasks {
     }
 
     /// Drains the completion queue and drops those (WRITTEN or FAILED) tasks from the table;
-    /// returns their ids, oldest first, as an int64 array. Every drained task is removed
-    /// before a refusal (an id published twice) is raised, so none is lost.
-    fn reap_completions(&self, py: Python<'_>) -> PyResult<Py<PyArray1<i64>>> {
+    /// returns their ids, oldest first, as a list (the engine thread forgets each; a list
+    /// costs it no numpy array per step). Every drained task is removed before a refusal (an id
+    /// published twice) is raised, so none is lost.
+    fn reap_completions(&self) -> PyResult<Vec<u64>> {
         let done = self.queues.drain_completions();
         let refused: Vec<_> = done
             .iter()
@@ -101,10 +102,7 @@ impl WriteTasks {
         if let Some(err) = refused.into_iter().next() {
             return Err(err).py_err();
         }
-        Ok(int_array(
-            py,
-            done.into_iter().map(|t| t.0 as i64).collect(),
-        ))
+        Ok(done.into_iter().map(|t| t.0).collect())
     }
 
     /// The task's state name (`"PENDING"`, ..., `"FAILED"`).
