@@ -117,6 +117,7 @@ def test_oversized_step_and_foreign_request_ids_raise_and_change_nothing() -> No
         (StepBatch(["a"], [2], np.arange(2), 1), "num_tokens_padded must be an int >= 2"),
         (StepBatch(["a"], [True], np.arange(2)), "num_scheduled_tokens of 'a' must be an int >= 0, got True"),
         (StepBatch(["a"], [1.0], np.arange(2)), "num_scheduled_tokens of 'a' must be an int >= 0, got 1.0"),
+        (StepBatch(["a"], [2**70], np.arange(2)), "num_scheduled_tokens of 'a' is 1180591620717411303424: more tokens"),
         (
             StepBatch(["a"], [2], np.arange(4).reshape(2, 2)),
             r"slot_mapping must be a 1-D integer array, got int64 \(2, 2\)",
@@ -147,7 +148,7 @@ def test_bad_batches_raise_and_the_cache_stays_usable(batch, message) -> None:
     ],
     ids=["int64", "int32-padded", "strided", "uint16", "tensor", "list"],
 )
-def test_a_batch_becomes_rows_per_request_and_a_copy_of_its_slots(mapping) -> None:
+def test_a_batch_becomes_rows_per_request_whatever_form_its_slot_mapping_takes(mapping) -> None:
     """Whatever form the slot mapping takes, the step's rows go to its first n slots, each
     request's rows are its range of the step, and requests without rows claim nothing."""
     with small_cache() as cache:
@@ -163,6 +164,16 @@ def test_a_batch_becomes_rows_per_request_and_a_copy_of_its_slots(mapping) -> No
         assert torch.equal(pool, hidden), "row r went to slot_mapping[r]"
         cache.begin_step(StepEvents(finished=["a", "b", "c"]))
         assert cache.stats().tasks_live == 0
+
+
+def test_a_batch_of_one_shot_iterables_is_read_once() -> None:
+    """Request ids and counts given as iterators, with a slot list (the path that converts the
+    mapping first and checks the batch a second time)."""
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        batch = StepBatch(iter(["a"]), iter([2]), [5, 6])
+        out = cache.materialize(cache.save(torch.ones(2, 2), {}, batch), ["a"])
+        assert torch.equal(out.hidden["a"], torch.ones(2, 2))
 
 
 @pytest.mark.parametrize(

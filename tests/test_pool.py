@@ -7,8 +7,18 @@ import numpy as np
 import pytest
 import torch
 
-from omni_pcache import InvalidInputError
-from omni_pcache._native import Ledger, StagingSlots, WriteTasks, claim_step, scatter_rows, write_step_rows
+from omni_pcache import CacheClosedError, InvalidInputError
+from omni_pcache._native import (
+    SOURCE_ABSENT,
+    SOURCE_POOL,
+    Ledger,
+    StagingSlots,
+    WriteTasks,
+    claim_step,
+    close_step_writes,
+    scatter_rows,
+    write_step_rows,
+)
 from omni_pcache.keys import KeySpec
 from omni_pcache.pool import HostPool, row_bytes_view
 
@@ -140,7 +150,13 @@ def test_a_step_run_that_does_not_fit_its_page_is_refused_before_anything_change
     tasks.enqueue(task, True)
     tasks.pop_many(1)
     pool = np.zeros((16, 4), dtype=np.uint8)
-    page = np.ones((4, 4), dtype=np.uint8)
+    page = np.arange(1, 17, dtype=np.uint8).reshape(4, 4)  # four distinct rows, none zero
+    read_only = np.zeros((16, 4), dtype=np.uint8)
+    read_only.flags.writeable = False
+    with pytest.raises(InvalidInputError, match="key#0: pool: The given array is not writeable"):
+        write_step_rows(tasks, ledger, [task], [0], [(key, page, read_only)])
+    with pytest.raises(InvalidInputError, match="key#0: pool: The given array is already borrowed"):
+        write_step_rows(tasks, ledger, [task], [0], [(key, pool, pool)])  # the same array twice
     with pytest.raises(InvalidInputError, match="page and pool must be C-contiguous rows of 4 bytes"):
         write_step_rows(tasks, ledger, [task], [0], [(key, np.zeros((4, 8), dtype=np.uint8), pool)])
     with pytest.raises(InvalidInputError, match=r"key#0: row position 4 at 1 is out of range \[0, 4\)"):
@@ -149,7 +165,8 @@ def test_a_step_run_that_does_not_fit_its_page_is_refused_before_anything_change
         write_step_rows(tasks, ledger, [task], [0], [(key, page, np.zeros((1, 4), dtype=np.uint8))])
     assert tasks.state(task) == "COPYING" and not pool.any(), "refused: nothing changed"
     assert write_step_rows(tasks, ledger, [task], [2], [(key, page, pool)]) == [2]
-    assert tasks.state(task) == "WRITTEN" and pool[:2].all() and not pool[2:].any()
+    assert tasks.state(task) == "WRITTEN" and not pool[2:].any()
+    np.testing.assert_array_equal(pool[:2], page[2:4])  # the task's rows start at page row 2
 
 
 def test_a_step_claim_creates_tasks_claims_every_key_and_holds_the_page() -> None:
@@ -167,7 +184,35 @@ def test_a_step_claim_creates_tasks_claims_every_key_and_holds_the_page() -> Non
     assert ledger.owned(ids[0], keys[0])[1].tolist() == [4, 5] and ledger.owned(ids[1], keys[1])[1].tolist() == [6]
     assert sorted(staging.holders()[page]) == [("step", 0), ("task", ids[0]), ("task", ids[1])]
     assert [tasks.state(t) for t in ids] == ["PENDING", "PENDING"]
-    live = len(tasks)
+    live, holders = len(tasks), staging.holders()
     with pytest.raises(InvalidInputError, match="2 counts for 2 tasks, summing to 2 for 3 slots"):
         claim_step(tasks, ledger, staging, page, np.array([1, 2, 3], dtype=np.int64), [1, 1], keys)
-    assert len(tasks) == live, "a refused claim leaves no task behind"
+    before = ledger.peek(np.array([4, 5, 6], dtype=np.int64), keys[0])
+    with pytest.raises(InvalidInputError, match=r"unknown key#7 \(registered keys: 2\)"):
+        claim_step(tasks, ledger, staging, page, np.array([4, 5, 6], dtype=np.int64), [2, 1], [keys[0], 7])
+    after = ledger.peek(np.array([4, 5, 6], dtype=np.int64), keys[0])
+    assert all(np.array_equal(b, a) for b, a in zip(before, after, strict=True)), "key 0's slots did not move"
+    staging.close()  # (as when the cache fails or closes between its save's page and its claims)
+    with pytest.raises(CacheClosedError):
+        claim_step(tasks, ledger, staging, page, np.array([7, 8], dtype=np.int64), [1, 1], keys)
+    assert ledger.peek(np.array([7, 8], dtype=np.int64), keys[0])[0].tolist() == [SOURCE_ABSENT] * 2
+    assert len(tasks) == live and staging.holders() == holders, "a refused claim leaves nothing behind"
+
+
+def test_closing_a_written_step_run_commits_it_releases_its_page_and_publishes_it() -> None:
+    """`close_step_writes`, the usual end of a write: rows committed in the ledger, the tasks'
+    staging holds dropped, the tasks on the completion queue."""
+    tasks, ledger, staging = WriteTasks(), Ledger(16), StagingSlots(2)
+    key = ledger.add_key()
+    page = staging.claim(("step", 0))
+    ids, _ = claim_step(tasks, ledger, staging, page, np.array([3, 4, 9], dtype=np.int64), [2, 1], [key])
+    tasks.enqueue_many(ids)
+    tasks.pop_many(8)
+    rows = np.arange(8 * 4, dtype=np.uint8).reshape(8, 4)
+    write_step_rows(tasks, ledger, ids, [0, 2], [(key, rows, np.zeros((16, 4), dtype=np.uint8))])
+    assert close_step_writes(tasks, ledger, staging, page, ids) == 3
+    assert ledger.peek(np.array([3, 4, 9], dtype=np.int64), key)[0].tolist() == [SOURCE_POOL] * 3
+    assert staging.holders()[page] == [("step", 0)]
+    assert tasks.reap_completions() == ids and len(tasks) == 0
+    with pytest.raises(InvalidInputError, match=r"unknown task"):
+        close_step_writes(tasks, ledger, staging, page, ids)  # once only

@@ -168,6 +168,13 @@ def claim_step(
     staging page ``page``. Returns the task ids and per key its outcome, ``None`` when the claim
     stole nothing and moved no captured row (caller holds the cache's ledger lock)."""
 
+def close_step_writes(
+    tasks: WriteTasks, ledger: Ledger, staging: StagingSlots, page: int, task_ids: Sequence[int]
+) -> int:
+    """A run of one step's WRITTEN tasks committed, their holds on staging page ``page`` dropped
+    and their completions published, in one call (the writer, under the cache's ledger lock,
+    when nothing is owed on them). Returns the slots committed."""
+
 def write_step_rows(
     tasks: WriteTasks,
     ledger: Ledger,

@@ -74,7 +74,7 @@ class PrefixCache:
         self._pages = StagingPages(config.staging_depth, config.staging_capacity_tokens)
         self._preserved = PreservedRows(config.max_preserved_rows, self._cond)
         self._copies = CopyEngine()
-        self._writer = PoolWriter(self._tasks, self._ledger, self._pool, self._preserved, self._cond)
+        self._writer = PoolWriter(self._tasks, self._ledger, self._staging, self._pool, self._preserved, self._cond)
         self._reader = HitReader(
             self._ledger,
             self._pool,
@@ -354,8 +354,8 @@ class PrefixCache:
     # ---- committer thread --------------------------------------------------------------
 
     def _write_tasks(self, task_ids: list[int]) -> None:
-        """Writes a batch of queued tasks and releases their pages or clones (the pool's writer:
-        the committer, or the engine thread in `Committer.write_now`)."""
+        """Writes a batch of queued tasks (the pool's writer: the committer, or the engine thread
+        in `Committer.write_now`); `PoolWriter.write_batch` commits and releases them."""
         if self._failure is not None:
             raise self._failure
         first = self._records[task_ids[0]]
@@ -364,16 +364,6 @@ class PrefixCache:
         else:
             groups = batch_groups(task_ids, [self._records[t] for t in task_ids])
         self._writer.write_batch(groups)
-        for record, ids in groups:
-            if record.deferred:
-                record.release()
-            else:
-                self._staging.release_many(record.page, "task", ids)
-        self._tasks.complete_many(task_ids)
-        with self._cond:
-            for record, ids in groups:
-                record.finish_tasks(ids)
-            self._cond.notify_all()
 
     def _on_write_failure(self, task_id: int, exc: BaseException) -> None:
         """Makes the failure sticky and releases every page and waiter (committer thread).

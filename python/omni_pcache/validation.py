@@ -105,12 +105,17 @@ def check_batch(batch: StepBatch, config: CacheConfig) -> BatchShape:
     # (the slots come back as a copy, always: write records keep them until their writes land,
     # and the caller may refill its slot buffer as soon as save returns; vLLM reuses one)
     args = (config.staging_capacity_tokens, config.num_slots)
-    checked = native_check_batch(batch.req_ids, batch.num_scheduled_tokens, mapping, *args)
+    req_ids, counts = batch.req_ids, batch.num_scheduled_tokens
+    if type(req_ids) is not list:  # (an iterator would be spent by a second call below)
+        req_ids = list(req_ids)
+    if type(counts) is not list:
+        counts = list(counts)
+    checked = native_check_batch(req_ids, counts, mapping, *args)
     if checked is None:  # not an int64/int32 numpy array
         mapping = np.asarray(mapping)
         if mapping.ndim != 1 or mapping.dtype.kind not in "iu":
             raise InvalidInputError(f"slot_mapping must be a 1-D integer array, got {mapping.dtype} {mapping.shape}")
-        checked = native_check_batch(batch.req_ids, batch.num_scheduled_tokens, mapping.astype(np.int64), *args)
+        checked = native_check_batch(req_ids, counts, mapping.astype(np.int64), *args)
     n, slots, rows, req_ids, starts, counts = checked
     n_padded = n if batch.num_tokens_padded is None else _int(batch.num_tokens_padded, "num_tokens_padded", n)
     return BatchShape(n, n_padded, rows, slots, req_ids, starts, counts)

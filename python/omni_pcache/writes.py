@@ -6,8 +6,9 @@ immediate key (a `omni_pcache.deferred.DeferredRecord` holds one request's defer
 steps instead). The step's tasks share one object, so a decode step of hundreds of requests
 costs a few lists, not an object per request. `PoolWriter.write_batch` waits the rows' copy,
 scatters the rows each task still owns into the pool (rows stolen by a newer tenant are
-skipped; a step's run of tasks in one native call), commits them, and fills the copy-on-write
-obligations that were registered on the tasks while they were in transit.
+skipped; a step's run of tasks in one native call), commits them, fills the copy-on-write
+obligations that were registered on the tasks while they were in transit, and releases the
+tasks' staging holds (the usual batch: commit and release in one native call).
 
 Both kinds of record answer for the tasks they hold (`is_done`, `req_of`, `slot_rows`,
 `finish_tasks`), so the cache keeps one ``task id -> record`` map for both.
@@ -28,7 +29,7 @@ from operator import itemgetter
 import numpy as np
 import torch
 
-from omni_pcache._native import Ledger, WriteTasks, write_step_rows
+from omni_pcache._native import Ledger, StagingSlots, WriteTasks, close_step_writes, write_step_rows
 from omni_pcache.copy_engine import CopyHandle
 from omni_pcache.keys import KeySpec
 from omni_pcache.pages import StagingPages
@@ -122,22 +123,26 @@ class PoolWriter:
         self,
         tasks: WriteTasks,
         ledger: Ledger,
+        staging: StagingSlots,
         pool: HostPool,
         preserved: PreservedRows,
         cond: threading.Condition,
     ) -> None:
         self._tasks = tasks
         self._ledger = ledger
+        self._staging = staging
         self._pool = pool
         self._preserved = preserved
         self._cond = cond
         self.bytes_written: dict[str, int] = {}
 
     def write_batch(self, groups: list[tuple]) -> None:
-        """Copies the owned rows of a batch of tasks into the pool and commits them (the writer).
+        """Copies the owned rows of a batch of tasks into the pool, commits them, fills what
+        readers are owed, and releases the tasks' staging pages or clones (the writer).
 
         ``groups`` are ``(record, task ids)`` runs (see `batch_groups`): a `StepWrite` or a
-        `DeferredRecord` and tasks of it; every task is COPYING on entry and WRITTEN on return.
+        `DeferredRecord` and tasks of it; every task is COPYING on entry, and WRITTEN, published
+        as complete and done (`is_done`) on return.
         A step's tasks are queued together, so they usually come as one run, written in one
         native call (`write_step`); an escalated task, or a
         batch cut at `Committer.max_batch`, splits a step into several runs, each written on its
@@ -157,21 +162,48 @@ class PoolWriter:
                 self._tasks.written_many(ids)
                 continue
             self.write_step(record, ids)
-        owed = []
         with self._cond:
+            if len(groups) == 1 and not groups[0][0].deferred and not groups[0][0].obligations:
+                # The usual batch: one step's run with nothing owed to readers. Committed, its
+                # page holds dropped and completions published in one native call, under the
+                # one lock section that also marks the tasks done.
+                record, ids = groups[0]
+                close_step_writes(self._tasks, self._ledger, self._staging, record.page, ids)
+                record.finish_tasks(ids)
+                self._cond.notify_all()
+                return
             self._ledger.commit_many(task_ids)
-            for record, ids in groups:
-                if record.deferred:
-                    if record.obligations:
-                        owed.extend((record, record.task_id, o) for o in record.obligations)
-                        record.obligations = []
-                    record.closed = True
-                elif record.obligations:
-                    for t in ids:
-                        owed.extend((record, t, o) for o in record.obligations.pop(t, ()))
+            owed = self._take_obligations(groups)
             self._cond.notify_all()
-        for record, task_id, (spec, slots, versions) in owed:
+        for record, task_id, (spec, slots, versions) in owed:  # (the staging rows are still held)
             self._preserved.fill(spec.name, slots, versions, record.slot_rows(task_id, spec, slots))
+        for record, ids in groups:
+            if record.deferred:
+                record.release()
+            else:
+                self._staging.release_many(record.page, "task", ids)
+        self._tasks.complete_many(task_ids)
+        with self._cond:
+            for record, ids in groups:
+                record.finish_tasks(ids)
+            self._cond.notify_all()
+
+    @staticmethod
+    def _take_obligations(groups: list[tuple]) -> list:
+        """The copy-on-write obligations registered on the batch's tasks while they were in
+        transit, popped (ledger lock held, atomic with the commit: a claim after it finds the
+        rows committed and preserves them from the pool instead)."""
+        owed = []
+        for record, ids in groups:
+            if record.deferred:
+                if record.obligations:
+                    owed.extend((record, record.task_id, o) for o in record.obligations)
+                    record.obligations = []
+                record.closed = True
+            elif record.obligations:
+                for t in ids:
+                    owed.extend((record, t, o) for o in record.obligations.pop(t, ()))
+        return owed
 
     def write_step(self, record: StepWrite, task_ids: list[int]) -> None:
         """A run of one step's tasks (COPYING) written into the pool (WRITTEN, not committed),

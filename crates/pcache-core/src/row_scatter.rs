@@ -98,21 +98,20 @@ pub fn scatter_rows(
     Ok(())
 }
 
-/// Rows `positions[0], positions[1], ..` of `rows` (rows of `row_bytes` bytes) copied out back
-/// to back, one copy per run of consecutive positions: the rows a write task still owns when a
-/// newer tenant took some of its slots. Refuses a position outside `rows`.
-pub fn gather_rows(
-    rows: &[u8],
+/// What `gather_rows` checks, for rows of `rows_bytes` in all: a whole number of rows of
+/// `row_bytes`, and every position among them.
+pub fn check_gather(
+    rows_bytes: usize,
     row_bytes: usize,
     positions: &[i64],
-) -> Result<Vec<u8>, RowScatterError> {
-    if row_bytes == 0 || rows.len() % row_bytes != 0 {
+) -> Result<(), RowScatterError> {
+    if row_bytes == 0 || rows_bytes % row_bytes != 0 {
         return Err(RowScatterError::BadRowSize {
             row_bytes,
-            pool_bytes: rows.len(),
+            pool_bytes: rows_bytes,
         });
     }
-    let num_rows = rows.len() / row_bytes;
+    let num_rows = rows_bytes / row_bytes;
     if let Some((position, &row)) = positions
         .iter()
         .enumerate()
@@ -124,6 +123,18 @@ pub fn gather_rows(
             num_rows,
         });
     }
+    Ok(())
+}
+
+/// Rows `positions[0], positions[1], ..` of `rows` (rows of `row_bytes` bytes) copied out back
+/// to back, one copy per run of consecutive positions: the rows a write task still owns when a
+/// newer tenant took some of its slots. Refuses a position outside `rows`.
+pub fn gather_rows(
+    rows: &[u8],
+    row_bytes: usize,
+    positions: &[i64],
+) -> Result<Vec<u8>, RowScatterError> {
+    check_gather(rows.len(), row_bytes, positions)?;
     let mut out = Vec::with_capacity(positions.len() * row_bytes);
     let mut first = 0;
     while first < positions.len() {

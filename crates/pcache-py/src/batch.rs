@@ -3,7 +3,7 @@
 
 use numpy::{PyArray1, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyList, PyTuple};
+use pyo3::types::{PyBool, PyDict, PyInt, PyList, PyTuple};
 
 use crate::convert::int_array;
 use crate::errors::invalid_input;
@@ -20,7 +20,8 @@ type Checked<'py> = (
 
 /// A token count: an int (or anything with `__index__`, numpy integers included), never a bool.
 fn count_of(value: &Bound<'_, PyAny>, req_id: &Bound<'_, PyAny>) -> PyResult<usize> {
-    let count = if value.is_instance_of::<PyBool>() {
+    let is_bool = value.is_instance_of::<PyBool>();
+    let count = if is_bool {
         None
     } else {
         value.extract::<i64>().ok().filter(|&c| c >= 0)
@@ -28,9 +29,12 @@ fn count_of(value: &Bound<'_, PyAny>, req_id: &Bound<'_, PyAny>) -> PyResult<usi
     count.map(|c| c as usize).ok_or_else(|| {
         let req = req_id.repr().map(|r| r.to_string()).unwrap_or_default();
         let got = value.repr().map(|r| r.to_string()).unwrap_or_default();
-        invalid_input(format!(
-            "num_scheduled_tokens of {req} must be an int >= 0, got {got}"
-        ))
+        let huge = !is_bool && value.is_instance_of::<PyInt>() && value.gt(0).unwrap_or(false);
+        invalid_input(if huge {
+            format!("num_scheduled_tokens of {req} is {got}: more tokens than any step holds")
+        } else {
+            format!("num_scheduled_tokens of {req} must be an int >= 0, got {got}")
+        })
     })
 }
 

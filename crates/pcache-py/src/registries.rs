@@ -80,6 +80,11 @@ impl StagingSlots {
     pub(crate) fn hold_for(&self, slot: usize, holder: Holder) -> PyResult<()> {
         self.inner.hold(slot, holder).py_err()
     }
+
+    /// Removes `holder` from staging slot `slot`; returns whether the slot became free.
+    pub(crate) fn release_for(&self, slot: usize, holder: Holder) -> PyResult<bool> {
+        self.inner.release(slot, holder).py_err()
+    }
 }
 
 #[pymethods]

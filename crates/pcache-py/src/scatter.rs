@@ -2,15 +2,18 @@
 //! `pcache_core::row_scatter`), without the GIL; `write_step_rows`: the pool writer's whole
 //! write of a run of one step's tasks (state transitions, owned rows, scatter) in one call.
 
-use numpy::{PyArray2, PyArrayMethods, PyUntypedArrayMethods};
+use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use pcache_core::ledger::contiguous_from;
-use pcache_core::row_scatter::{self, RowScatterError};
+use pcache_core::row_scatter;
+
+use pcache_core::{Holder, TaskId};
 
 use crate::convert::{IndexSlice, Indices};
-use crate::errors::invalid_input;
+use crate::errors::{invalid_input, IntoPy};
 use crate::ledger::Ledger;
+use crate::registries::StagingSlots;
 use crate::tasks::WriteTasks;
 
 /// Copies row `i` of `rows` to row `slots[i]` of `pool`: both C-contiguous 2-D `uint8`
@@ -71,39 +74,68 @@ pub fn scatter_rows(
 /// C-contiguous `(rows, row_bytes)` uint8 arrays with rows of the same width.
 type KeyRows<'py> = (u32, Bound<'py, PyArray2<u8>>, Bound<'py, PyArray2<u8>>);
 
-/// Where one key's owned rows come from in the staging page: one span of it (every row still
-/// owned, in page order), or gathered (a newer tenant took some of the tasks' slots).
-enum Source {
-    Span(std::ops::Range<usize>),
-    Gathered(Vec<u8>),
+/// Closes a run of one step's written tasks in one call, the usual end of a write (the pool's
+/// writer, under the cache's ledger lock, when no copy-on-write obligation is owed on them):
+/// their rows are committed in the ledger (stolen slots excepted), each task's hold on staging
+/// page `page` is dropped, and each is published on the completion queue. Returns the slots
+/// committed. Stops at the first refusal (an unknown task, a holder that is not one, a task
+/// not WRITTEN), raised as the typed error; the caller then fails the batch.
+#[pyfunction]
+pub fn close_step_writes(
+    tasks: &Bound<'_, WriteTasks>,
+    ledger: &Bound<'_, Ledger>,
+    staging: &Bound<'_, StagingSlots>,
+    page: usize,
+    task_ids: Vec<u64>,
+) -> PyResult<usize> {
+    let owners: Vec<TaskId> = task_ids.iter().copied().map(TaskId).collect();
+    let committed = ledger.get().lock().commit_many(&owners).py_err()?;
+    let staging = staging.get();
+    for &task in &owners {
+        staging.release_for(page, Holder::Task(task))?;
+    }
+    tasks.get().complete_all(&task_ids)?;
+    Ok(committed)
 }
 
-/// One key's part of a step run's write, checked: its owned rows and the slots they go to.
-struct KeyWrite {
+/// Where one key's owned rows come from in the staging page: one span of it (every row still
+/// owned, in page order), or these positions (a newer tenant took some of the tasks' slots).
+enum Source {
+    Span(std::ops::Range<usize>),
+    Positions(Vec<i64>),
+}
+
+/// One key's part of a step run's write, checked and borrowed: the page and pool (their numpy
+/// borrows taken, so a read-only or doubly passed array is refused before anything changes),
+/// the owned rows and the slots they go to.
+struct KeyWrite<'py> {
+    key_id: u32,
+    row_bytes: usize,
+    page: PyReadonlyArray2<'py, u8>,
+    pool: PyReadwriteArray2<'py, u8>,
     source: Source,
     slots: Vec<i64>,
 }
 
-/// Checks one key's page and pool and finds the rows the tasks still own (the ledger lock held
-/// only for that lookup); `None` when there is nothing to copy.
-fn plan_key(
+/// Checks one key's page and pool, finds the rows the tasks still own (the ledger lock held
+/// only for that lookup) and borrows both arrays; `None` when there is nothing to copy.
+fn plan_key<'py>(
     ledger: &Ledger,
     task_ids: &[u64],
     offsets: &[i64],
-    (key_id, page, pool): &KeyRows<'_>,
-) -> PyResult<Option<KeyWrite>> {
+    (key_id, page, pool): &KeyRows<'py>,
+) -> PyResult<Option<KeyWrite<'py>>> {
     let (positions, slots) = ledger.owned_rows(task_ids, *key_id, offsets)?;
     let row_bytes = pool.shape()[1];
     if slots.is_empty() || row_bytes == 0 {
         return Ok(None);
     }
+    let refused = |what: String| invalid_input(format!("write_step_rows: key#{key_id}: {what}"));
     if !pool.is_c_contiguous() || !page.is_c_contiguous() || page.shape()[1] != row_bytes {
-        return Err(invalid_input(format!(
-            "write_step_rows: key#{key_id}: page and pool must be C-contiguous rows of {row_bytes} bytes"
+        return Err(refused(format!(
+            "page and pool must be C-contiguous rows of {row_bytes} bytes"
         )));
     }
-    let refused =
-        |err: RowScatterError| invalid_input(format!("write_step_rows: key#{key_id}: {err}"));
     let page_rows = page.shape()[0];
     let source = match contiguous_from(&positions) {
         Some(first)
@@ -116,19 +148,32 @@ fn plan_key(
             Source::Span(at..at + slots.len() * row_bytes)
         }
         _ => {
-            let page = page
-                .try_readonly()
-                .map_err(|err| invalid_input(format!("write_step_rows: page: {err}")))?;
-            let bytes = page.as_slice().expect("checked C-contiguous");
-            Source::Gathered(
-                row_scatter::gather_rows(bytes, row_bytes, &positions).map_err(refused)?,
-            )
+            row_scatter::check_gather(page_rows * row_bytes, row_bytes, &positions)
+                .map_err(|err| refused(err.to_string()))?;
+            Source::Positions(positions)
         }
     };
-    let pool_bytes = pool.shape()[0] * row_bytes;
-    row_scatter::check_scatter(pool_bytes, slots.len() * row_bytes, row_bytes, &slots)
-        .map_err(refused)?;
-    Ok(Some(KeyWrite { source, slots }))
+    row_scatter::check_scatter(
+        pool.shape()[0] * row_bytes,
+        slots.len() * row_bytes,
+        row_bytes,
+        &slots,
+    )
+    .map_err(|err| refused(err.to_string()))?;
+    let page = page
+        .try_readonly()
+        .map_err(|err| refused(format!("page: {err}")))?;
+    let pool = pool
+        .try_readwrite()
+        .map_err(|err| refused(format!("pool: {err}")))?;
+    Ok(Some(KeyWrite {
+        key_id: *key_id,
+        row_bytes,
+        page,
+        pool,
+        source,
+        slots,
+    }))
 }
 
 /// Writes a run of one step's write tasks into the pool in one call (the pool's single writer:
@@ -137,8 +182,9 @@ fn plan_key(
 /// tenant's slots are skipped) are copied from the staging page, task `i`'s rows starting at
 /// page row `offsets[i]`, into their pool slots, without the GIL; then HOST_READY → WRITTEN.
 /// Returns the rows written per key. Committing them (under the cache's ledger lock) is the
-/// caller's. A page or pool that does not fit (width, layout, a row or slot out of range) is
-/// refused as `InvalidInputError` before anything changes; a refused transition raises
+/// caller's. A page or pool that does not fit (width, layout, a row or slot out of range, a
+/// read-only array, the same array twice) is refused as `InvalidInputError` before anything
+/// changes; a refused transition raises
 /// `TaskStateError`, leaving the tasks for the caller to fail.
 #[pyfunction]
 pub fn write_step_rows(
@@ -149,35 +195,32 @@ pub fn write_step_rows(
     offsets: Vec<i64>,
     keys: Vec<KeyRows<'_>>,
 ) -> PyResult<Vec<usize>> {
-    // Every key checked (and a partly stolen run gathered) before anything changes.
+    // Every key checked and its arrays borrowed before anything changes.
     let plans = keys
         .iter()
         .map(|key| plan_key(ledger.get(), &task_ids, &offsets, key))
         .collect::<PyResult<Vec<_>>>()?;
     let tasks = tasks.get();
     tasks.copy_done_all(&task_ids)?;
-    let mut written = Vec::with_capacity(keys.len());
-    for ((key_id, page, pool), plan) in keys.iter().zip(plans) {
-        let Some(KeyWrite { source, slots }) = plan else {
-            written.push(0);
-            continue;
-        };
-        let row_bytes = pool.shape()[1];
-        let page = page
-            .try_readonly()
-            .map_err(|err| invalid_input(format!("write_step_rows: page: {err}")))?;
-        let mut pool = pool
-            .try_readwrite()
-            .map_err(|err| invalid_input(format!("write_step_rows: pool: {err}")))?;
-        let page = page.as_slice().expect("checked C-contiguous");
-        let pool = pool.as_slice_mut().expect("checked C-contiguous");
-        let rows = match &source {
-            Source::Span(span) => &page[span.clone()],
-            Source::Gathered(rows) => rows.as_slice(),
-        };
-        py.detach(|| row_scatter::scatter_rows(pool, rows, row_bytes, &slots))
-            .map_err(|err| invalid_input(format!("write_step_rows: key#{key_id}: {err}")))?;
-        written.push(slots.len());
+    let written = plans
+        .iter()
+        .map(|plan| plan.as_ref().map_or(0, |p| p.slots.len()))
+        .collect();
+    for mut plan in plans.into_iter().flatten() {
+        let (key_id, row_bytes) = (plan.key_id, plan.row_bytes);
+        let page = plan.page.as_slice().expect("checked C-contiguous");
+        let pool = plan.pool.as_slice_mut().expect("checked C-contiguous");
+        let (source, slots) = (&plan.source, &plan.slots);
+        py.detach(|| match source {
+            Source::Span(span) => {
+                row_scatter::scatter_rows(pool, &page[span.clone()], row_bytes, slots)
+            }
+            Source::Positions(positions) => {
+                let rows = row_scatter::gather_rows(page, row_bytes, positions)?;
+                row_scatter::scatter_rows(pool, &rows, row_bytes, slots)
+            }
+        })
+        .map_err(|err| invalid_input(format!("write_step_rows: key#{key_id}: {err}")))?;
     }
     tasks.written_all(&task_ids)?;
     Ok(written)

@@ -54,6 +54,12 @@ impl WriteTasks {
             .try_for_each(|&id| self.transition(id, TaskStateCell::copy_done))
     }
 
+    /// Publishes each WRITTEN or FAILED task on the completion queue, in order, stopping at the
+    /// first refusal.
+    pub(crate) fn complete_all(&self, task_ids: &[u64]) -> PyResult<()> {
+        task_ids.iter().try_for_each(|&id| self.complete(id))
+    }
+
     /// HOST_READY → WRITTEN for each task in order, stopping at the first refused transition.
     pub(crate) fn written_all(&self, task_ids: &[u64]) -> PyResult<()> {
         task_ids
