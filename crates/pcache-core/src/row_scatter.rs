@@ -3,8 +3,12 @@
 //! indexed write per element (torch's CPU `index_copy_` walks elements; for wide rows that is
 //! several times slower than copying each row whole).
 //!
-//! Pure function over borrowed byte slices: everything is checked before the first byte is
-//! written, so a refused scatter changes nothing. The pool's single writer calls it (the
+//! `gather_rows` copies a staging page's rows at given positions out back to back, run by run
+//! (the rows a write task still owns when a newer tenant took some of its slots).
+//!
+//! Pure functions over borrowed byte slices: everything is checked before the first byte is
+//! written (`check_scatter`, `check_gather`; a caller writing several keys checks them all
+//! first), so a refused call changes nothing. The pool's single writer calls them (the
 //! committer, or the engine thread writing a small step), without the GIL.
 
 /// Why a scatter was refused (nothing was written).
@@ -47,12 +51,7 @@ pub fn check_scatter(
     row_bytes: usize,
     slots: &[i64],
 ) -> Result<(), RowScatterError> {
-    if row_bytes == 0 || pool_bytes % row_bytes != 0 {
-        return Err(RowScatterError::BadRowSize {
-            row_bytes,
-            pool_bytes,
-        });
-    }
+    let num_rows = whole_rows(pool_bytes, row_bytes)?;
     if slots.len().checked_mul(row_bytes) != Some(rows_bytes) {
         return Err(RowScatterError::RowCountMismatch {
             num_slots: slots.len(),
@@ -60,19 +59,14 @@ pub fn check_scatter(
             row_bytes,
         });
     }
-    let num_rows = pool_bytes / row_bytes;
-    if let Some((position, &slot)) = slots
-        .iter()
-        .enumerate()
-        .find(|&(_, &s)| s < 0 || s as u64 >= num_rows as u64)
-    {
-        return Err(RowScatterError::SlotOutOfRange {
+    match first_outside(slots, num_rows) {
+        Some((position, slot)) => Err(RowScatterError::SlotOutOfRange {
             slot,
             position,
             num_rows,
-        });
+        }),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// Copies row `i` of `rows` to row `slots[i]` of `pool` (rows of `row_bytes` bytes), one
@@ -84,17 +78,14 @@ pub fn scatter_rows(
     slots: &[i64],
 ) -> Result<(), RowScatterError> {
     check_scatter(pool.len(), rows.len(), row_bytes, slots)?;
-    let mut first = 0; // first row of the current run
-    while first < slots.len() {
-        let mut end = first + 1;
-        while end < slots.len() && slots[end] == slots[end - 1] + 1 {
-            end += 1;
-        }
-        let at = slots[first] as usize * row_bytes;
-        let len = (end - first) * row_bytes;
-        pool[at..at + len].copy_from_slice(&rows[first * row_bytes..first * row_bytes + len]);
-        first = end;
-    }
+    for_each_run(slots, |first, slot, len| {
+        let (at, from, bytes) = (
+            slot as usize * row_bytes,
+            first * row_bytes,
+            len * row_bytes,
+        );
+        pool[at..at + bytes].copy_from_slice(&rows[from..from + bytes]);
+    });
     Ok(())
 }
 
@@ -105,25 +96,15 @@ pub fn check_gather(
     row_bytes: usize,
     positions: &[i64],
 ) -> Result<(), RowScatterError> {
-    if row_bytes == 0 || rows_bytes % row_bytes != 0 {
-        return Err(RowScatterError::BadRowSize {
-            row_bytes,
-            pool_bytes: rows_bytes,
-        });
-    }
-    let num_rows = rows_bytes / row_bytes;
-    if let Some((position, &row)) = positions
-        .iter()
-        .enumerate()
-        .find(|&(_, &p)| p < 0 || p as u64 >= num_rows as u64)
-    {
-        return Err(RowScatterError::RowOutOfRange {
+    let num_rows = whole_rows(rows_bytes, row_bytes)?;
+    match first_outside(positions, num_rows) {
+        Some((position, row)) => Err(RowScatterError::RowOutOfRange {
             row,
             position,
             num_rows,
-        });
+        }),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// Rows `positions[0], positions[1], ..` of `rows` (rows of `row_bytes` bytes) copied out back
@@ -136,17 +117,43 @@ pub fn gather_rows(
 ) -> Result<Vec<u8>, RowScatterError> {
     check_gather(rows.len(), row_bytes, positions)?;
     let mut out = Vec::with_capacity(positions.len() * row_bytes);
+    for_each_run(positions, |_, row, len| {
+        let at = row as usize * row_bytes;
+        out.extend_from_slice(&rows[at..at + len * row_bytes]);
+    });
+    Ok(out)
+}
+
+/// How many rows of `row_bytes` fill `bytes` exactly (refused for rows of zero bytes).
+fn whole_rows(bytes: usize, row_bytes: usize) -> Result<usize, RowScatterError> {
+    if row_bytes == 0 || bytes % row_bytes != 0 {
+        return Err(RowScatterError::BadRowSize {
+            row_bytes,
+            pool_bytes: bytes,
+        });
+    }
+    Ok(bytes / row_bytes)
+}
+
+/// The first id outside `[0, num_rows)` (negative ids included), with its position.
+fn first_outside(ids: &[i64], num_rows: usize) -> Option<(usize, i64)> {
+    ids.iter()
+        .position(|&id| id < 0 || id as u64 >= num_rows as u64)
+        .map(|position| (position, ids[position]))
+}
+
+/// Calls `copy(position, id, len)` for each maximal run of consecutive ids starting at
+/// `ids[position]` (`len` ids `id, id + 1, ..`), in order.
+fn for_each_run(ids: &[i64], mut copy: impl FnMut(usize, i64, usize)) {
     let mut first = 0;
-    while first < positions.len() {
+    while first < ids.len() {
         let mut end = first + 1;
-        while end < positions.len() && positions[end] == positions[end - 1] + 1 {
+        while end < ids.len() && ids[end] == ids[end - 1] + 1 {
             end += 1;
         }
-        let at = positions[first] as usize * row_bytes;
-        out.extend_from_slice(&rows[at..at + (end - first) * row_bytes]);
+        copy(first, ids[first], end - first);
         first = end;
     }
-    Ok(out)
 }
 
 #[cfg(test)]
