@@ -109,7 +109,7 @@ def check_batch(batch: StepBatch, config: CacheConfig) -> BatchShape:
     if type(req_ids) is not list:  # (an iterator would be spent by a second call below)
         req_ids = list(req_ids)
     if type(counts) is not list:
-        counts = list(counts)
+        counts = counts.tolist() if isinstance(counts, np.ndarray) else list(counts)
     checked = native_check_batch(req_ids, counts, mapping, *args)
     if checked is None:  # not an int64/int32 numpy array
         mapping = np.asarray(mapping)

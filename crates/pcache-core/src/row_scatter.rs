@@ -14,8 +14,8 @@
 /// Why a scatter was refused (nothing was written).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RowScatterError {
-    /// Rows of zero bytes, or a pool that is not a whole number of rows.
-    #[error("row_bytes={row_bytes} does not divide the pool's {pool_bytes} bytes into rows")]
+    /// Rows of zero bytes, or a pool (or page) that is not a whole number of rows.
+    #[error("row_bytes={row_bytes} does not divide {pool_bytes} bytes into rows")]
     BadRowSize { row_bytes: usize, pool_bytes: usize },
 
     /// The source does not hold one row per slot.

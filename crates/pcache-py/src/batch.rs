@@ -29,7 +29,9 @@ fn count_of(value: &Bound<'_, PyAny>, req_id: &Bound<'_, PyAny>) -> PyResult<usi
     count.map(|c| c as usize).ok_or_else(|| {
         let req = req_id.repr().map(|r| r.to_string()).unwrap_or_default();
         let got = value.repr().map(|r| r.to_string()).unwrap_or_default();
-        let huge = !is_bool && value.is_instance_of::<PyInt>() && value.gt(0).unwrap_or(false);
+        // (an int, or a numpy integer through `__index__`, too large for 64 bits)
+        let index = value.call_method0("__index__").ok().filter(|_| !is_bool);
+        let huge = index.is_some_and(|i| i.is_instance_of::<PyInt>() && i.gt(0).unwrap_or(false));
         invalid_input(if huge {
             format!("num_scheduled_tokens of {req} is {got}: more tokens than any step holds")
         } else {

@@ -84,6 +84,10 @@ pub fn claim_step(
             Err(err) => {
                 // (the slots do not fit the counts, or one is out of range or named twice:
                 // refused by the first key's claim, before it changed anything)
+                debug_assert!(
+                    outcomes.is_empty(),
+                    "only the first key's claim can be refused"
+                );
                 undo(&owners);
                 return Err(err).py_err();
             }
