@@ -113,6 +113,17 @@ class Span(NamedTuple):
     unit: str
 
 
+def test_a_leftover_that_requires_grad_is_snapshotted_out_of_the_graph() -> None:
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        weights = torch.ones(3, requires_grad=True)
+        scores = weights * 2  # part of an autograd graph
+        sid = cache.save(torch.zeros(2, 2), {"scores": scores}, StepBatch(["a"], [2], np.array([0, 1])))
+        kept = cache.materialize(sid, ["a"]).mm["scores"]["a"]
+        assert torch.equal(kept, torch.full((3,), 2.0))
+        assert not kept.requires_grad and kept.grad_fn is None
+
+
 def test_leftover_is_a_snapshot_sliced_or_passed_whole() -> None:
     with small_cache() as cache:
         cache.begin_step(StepEvents(new=[NewRequest("a", [0]), NewRequest("b", [1])]))

@@ -118,7 +118,8 @@ class StepCopy:
     def snapshot(self, src: torch.Tensor) -> torch.Tensor:
         """A host copy of ``src`` (valid after the step's handle is waited; a CPU source is
         cloned now: leftovers are small and handed back as they were)."""
-        src = src.detach()
+        if src.requires_grad:  # (an engine's outputs never do: no view to make then)
+            src = src.detach()
         if not src.is_cuda:
             return src.clone()
         dst = empty_host(tuple(src.shape), src.dtype)
