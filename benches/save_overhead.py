@@ -25,15 +25,20 @@ from omni_pcache import CacheConfig, NewRequest, PrefixCache, StepBatch, StepEve
 BLOCK = 16
 
 
-_FORWARD = torch.randn(128, 128)
+# A layer's worth of activations and weights (~6 MiB): more than the caches hold, as a real
+# forward's working set is.
+_ACTIVATIONS = torch.randn(256, 1024)
+_WEIGHTS = torch.randn(1024, 1024)
 
 
 def busy_forward(ms: float) -> None:
     """Stands in for the forward pass: torch work that keeps the core busy and releases the
-    GIL (as a real forward does), so the committer can run meanwhile."""
+    GIL (as a real forward does), so the committer can run meanwhile, and that sweeps more
+    memory than the caches hold, so the cache's calls after it run cold, as they do after a
+    real forward."""
     end = time.perf_counter() + ms / 1000
     while time.perf_counter() < end:
-        torch.mm(_FORWARD, _FORWARD)
+        torch.mm(_ACTIVATIONS, _WEIGHTS)
 
 
 def engine_thread_step_us(
