@@ -196,7 +196,3 @@ def check_batch(
     ``(first row, rows)``; the requests with rows, their first rows and counts, in batch order).
     ``None`` when ``slot_mapping`` is not a 1-D int64/int32 numpy array (pass it again as
     int64). Raises ``InvalidInputError`` for the first problem found, having built nothing."""
-
-def check_slots(slots: IndexLike, num_slots: int, what: str) -> None:
-    """Raises ``InvalidInputError`` ("``what``: slot id S at position P is out of range
-    [0, N)") for the first slot outside ``[0, num_slots)``."""

@@ -1,6 +1,6 @@
 //! `block_table` and `block_slots`: a request's block ids checked into an int64 array, and the
-//! slot ids of a span of positions under such a table; `check_slots`: a step's slot mapping
-//! checked against the KV cache size (engine thread; see `pcache_core::block_table`).
+//! slot ids of a span of positions under such a table (engine thread; see
+//! `pcache_core::block_table`). A step's slot mapping is checked by `check_batch`.
 
 use numpy::PyArray1;
 use pyo3::prelude::*;
@@ -71,18 +71,4 @@ pub fn block_slots(
     }
     .py_err()?;
     Ok(int_array(py, slots))
-}
-
-/// Checks a contiguous int64 slot array against `[0, num_slots)` in one pass. Raises
-/// `InvalidInputError` "`what`: slot id S at position P is out of range [0, N)".
-#[pyfunction]
-pub fn check_slots(slots: &Bound<'_, PyAny>, num_slots: u32, what: &str) -> PyResult<()> {
-    let checked = match Indices::extract(slots, what)?.slice() {
-        IndexSlice::I64(s) => pcache_core::block_table::check_slot_ids(s, num_slots),
-        IndexSlice::I32(s) => {
-            let wide: Vec<i64> = s.iter().map(|&v| i64::from(v)).collect();
-            pcache_core::block_table::check_slot_ids(&wide, num_slots)
-        }
-    };
-    checked.map_err(|err| invalid_input(format!("{what}: {err}")))
 }

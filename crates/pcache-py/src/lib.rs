@@ -34,7 +34,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(batch::check_batch, m)?)?;
     m.add_function(wrap_pyfunction!(block_table::block_table, m)?)?;
     m.add_function(wrap_pyfunction!(block_table::block_slots, m)?)?;
-    m.add_function(wrap_pyfunction!(block_table::check_slots, m)?)?;
     m.add_function(wrap_pyfunction!(claims::claim_step, m)?)?;
     m.add_function(wrap_pyfunction!(scatter::scatter_rows, m)?)?;
     m.add_function(wrap_pyfunction!(scatter::write_step_rows, m)?)?;
