@@ -38,7 +38,7 @@ def blocks_in_request_order(rng: np.random.Generator, num_slots: int, block: int
     ids=["bf16x2048", "fp32x8x64", "fp32x16", "int64x3"],
 )
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("as_bytes", [False, True], ids=["tensor", "byte_view"])  # (the committer passes page bytes)
+@pytest.mark.parametrize("as_bytes", [False, True], ids=["tensor", "byte_view"])  # (the committer's native path: bytes)
 def test_pool_writes_equal_an_indexed_scatter(
     row_shape: tuple[int, ...], dtype: torch.dtype, seed: int, as_bytes: bool
 ) -> None:
@@ -52,7 +52,10 @@ def test_pool_writes_equal_an_indexed_scatter(
     for _ in range(3):  # later writes overwrite earlier ones
         slots = blocks_in_request_order(rng, num_slots, 16, int(rng.integers(1, 600)))
         rows = torch.randint(-1000, 1000, (slots.size, *row_shape)).to(dtype)
-        pool.write("k", slots, row_bytes_view(rows) if as_bytes else rows)
+        if as_bytes:  # rows as uint8 bytes, straight into the pool's byte rows (as write_step_rows does)
+            scatter_rows(pool.byte_rows("k"), row_bytes_view(rows), slots)
+        else:
+            pool.write("k", slots, rows)
         want.index_copy_(0, torch.from_numpy(slots), rows)
         written.update(slots.tolist())
     at = torch.tensor(sorted(written))  # (rows never written are never read: the pool is not zeroed)

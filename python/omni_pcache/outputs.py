@@ -93,9 +93,10 @@ class OutputBuilder:
                 per_key[name] = dict(zip(misses, pieces, strict=True))
         hidden: dict[str, Any] | None = per_key.get(HIDDEN, {}) if HIDDEN in record.keys else None
         mm: dict[str, dict[str, Any]] = {name: per_key.get(name, {}) for name in record.keys if name != HIDDEN}
+        spans = None  # each asked request's (start, count, drop), made for the first per-row entry
         for name, value in record.leftover.items():  # whole, or each request's rows of it
             if is_per_row(value, record.n, record.n_padded):
-                spans = [record.rows[req_id] for req_id in req_ids]
+                spans = spans or [record.rows[req_id] for req_id in req_ids]
                 mm[name] = {req_id: value[s : s + c] for req_id, (s, c, _) in zip(req_ids, spans, strict=True)}
             else:
                 mm[name] = dict.fromkeys(req_ids, value)

@@ -56,7 +56,7 @@ class StagingPages:
 
     def page_bytes(self, key: str, page: int) -> np.ndarray:
         """Page ``page`` of ``key`` as a ``(capacity, row_bytes)`` uint8 numpy array sharing its
-        memory (how the pool's native scatter reads rows; made once per page). Rows of zero
+        memory (what the writer's `_native.write_step_rows` reads; made once per page). Rows of zero
         bytes have no such view."""
         view = self._bytes.get((key, page))
         if view is None:

@@ -51,19 +51,14 @@ class HostPool:
             " (pinned)" if storage.is_pinned() else "",
         )
 
-    def write(self, key: str, slots: np.ndarray, rows: torch.Tensor | np.ndarray) -> None:
+    def write(self, key: str, slots: np.ndarray, rows: torch.Tensor) -> None:
         """Scatters ``rows`` to ``slots`` (int64 ids; the writer: the committer's write lock
         held). Natively, one memory copy per run of consecutive slots (the engine's blocks) and
         without the GIL: torch's CPU ``index_copy_`` walks elements, several times slower for
-        rows of a KiB or more, and holds the GIL the engine thread needs. ``rows`` may already be
-        ``(n, row_bytes)`` uint8 of the pool's dtype and row shape (a staging page's
-        `StagingPages.page_bytes` slice). Rows of another dtype or row shape than the pool's, or
-        lazily conjugated/negated views (never from the cache), go through ``index_copy_``, which
-        checks or resolves them."""
-        if isinstance(rows, np.ndarray):
-            if rows.shape[0]:
-                scatter_rows(self.byte_rows(key), rows, slots)
-            return
+        rows of a KiB or more, and holds the GIL the engine thread needs. (A step's staging rows
+        go through `_native.write_step_rows` instead, over `byte_rows`.) Rows of another dtype or
+        row shape than the pool's, or lazily conjugated/negated views (never from the cache), go
+        through ``index_copy_``, which checks or resolves them."""
         pool = self._rows[key]
         if rows.shape[0] == 0 or pool.numel() == 0:  # (no rows, or rows of zero elements)
             return
@@ -79,7 +74,7 @@ class HostPool:
         scatter_rows(self.byte_rows(key), row_bytes_view(rows.contiguous()), slots)
 
     def byte_rows(self, key: str) -> np.ndarray:
-        """The key's storage as ``(num_slots, row_bytes)`` uint8 (made once; the writer)."""
+        """The key's storage as ``(num_slots, row_bytes)`` uint8 (made once; the writer scatters into it)."""
         view = self._bytes.get(key)
         if view is None:
             view = self._bytes[key] = row_bytes_view(self._rows[key])

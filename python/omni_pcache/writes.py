@@ -148,7 +148,6 @@ class PoolWriter:
         batch cut at `Committer.max_batch`, splits a step into several runs, each written on its
         own. Raises on any failure, leaving the tasks for the caller to fail.
         """
-        task_ids = list(chain.from_iterable(ids for _, ids in groups))
         prepared: set[int] = set()
         for record, _ in groups:
             if id(record) not in prepared:  # one wait per record: a step's tasks share its copy handle
@@ -172,6 +171,7 @@ class PoolWriter:
                 record.finish_tasks(ids)
                 self._cond.notify_all()
                 return
+            task_ids = list(chain.from_iterable(ids for _, ids in groups))
             self._ledger.commit_many(task_ids)
             owed = self._take_obligations(groups)
             self._cond.notify_all()

@@ -46,8 +46,8 @@ fn count_of(value: &Bound<'_, PyAny>, req_id: &Bound<'_, PyAny>) -> PyResult<usi
 /// with their first rows and counts (new lists). `req_ids` and `counts` are iterables of equal
 /// length; `slot_mapping` a 1-D int64 or int32 numpy array, else `None` is returned and the
 /// caller passes it again as int64. Raises `InvalidInputError` for the first problem (lengths,
-/// a count that is not an int >= 0, a request twice, more tokens than `capacity`, a short
-/// mapping, a slot out of `[0, num_slots)` or named twice), having built nothing.
+/// a count that is not an int >= 0, more tokens than `capacity`, a short mapping, a slot out of
+/// `[0, num_slots)` or named twice, a request twice), having built nothing.
 #[pyfunction]
 pub fn check_batch<'py>(
     py: Python<'py>,
@@ -71,19 +71,6 @@ pub fn check_batch<'py>(
         .zip(reqs.iter())
         .map(|(value, req)| count_of(value, &req))
         .collect::<PyResult<_>>()?;
-    // The requests first (each once), then the batch's sizes and slots.
-    let rows = PyDict::new(py);
-    let mut start = 0usize;
-    for (req, &count) in reqs.iter().zip(&counts) {
-        if rows.contains(&req)? {
-            return Err(invalid_input(format!(
-                "req_ids has duplicates: {}",
-                reqs.repr()?
-            )));
-        }
-        rows.set_item(&req, PyTuple::new(py, [start, count])?)?;
-        start = start.saturating_add(count);
-    }
     let checked = if let Ok(a) = slot_mapping.extract::<PyReadonlyArray1<'py, i64>>() {
         check_mapping(&counts, a, capacity, num_slots)
     } else if let Ok(a) = slot_mapping.extract::<PyReadonlyArray1<'py, i32>>() {
@@ -92,6 +79,17 @@ pub fn check_batch<'py>(
         return Ok(None);
     };
     let batch = checked.map_err(|err| invalid_input(err.to_string()))?;
+    // Each request once, with its rows (the core's starts).
+    let rows = PyDict::new(py);
+    for ((req, &count), &start) in reqs.iter().zip(&counts).zip(&batch.starts) {
+        if rows.contains(&req)? {
+            return Err(invalid_input(format!(
+                "req_ids has duplicates: {}",
+                reqs.repr()?
+            )));
+        }
+        rows.set_item(&req, PyTuple::new(py, [start, count])?)?;
+    }
     let (claim_reqs, claim_starts, claim_counts) = if counts.contains(&0) {
         // Only requests with rows this step write or read rows.
         let with_rows: Vec<usize> = (0..counts.len()).filter(|&i| counts[i] > 0).collect();
