@@ -11,7 +11,10 @@ Per side and step size it reports medians of: the engine-thread time (begin_step
 omni_pcache; new_step_starts + save_outputs for vLLM-Omni), materialize time and its GB/s
 (bytes of the full-sequence rows returned), beside a plain torch ``copy_`` of the same bytes
 on this machine (the physical reference; also into newly allocated memory, which returning new
-tensors pays in first-touch page faults), and the ratios ours/theirs. Both sides' outputs are
+tensors pays in first-touch page faults), beside the fewest torch calls that return the same
+rows (per key one ``index_select`` of the hits' prefix rows from a pool of the cache's size
+and one copy of the step's rows, into new memory: what gathering costs here before any
+bookkeeping), and the ratios ours/theirs. Both sides' outputs are
 checked against the expected full-sequence rows on a few steps (a wrong answer fails the run).
 
 vLLM-Omni 0.30.0 is built as its own unit tests build it: ``OmniPrefixCacheManager(config,
@@ -329,6 +332,46 @@ def fresh_copy_reference(nbytes: int, repeat: int) -> float:
     return statistics.median(times[1:])
 
 
+def gather_reference(
+    num_slots: int, width: int, hit_slots: np.ndarray, own_rows: int, repeat: int
+) -> tuple[float, int]:
+    """Median seconds, and bytes returned, of the fewest torch calls that return the same rows
+    as a measured step's materialize: per key, one tensor in new memory, one ``index_select``
+    of every hit's prefix rows (``hit_slots``, in order) from a pool of the cache's size and
+    one contiguous copy of the step's own rows behind them, the previous result kept alive.
+    The floor for any implementation gathering rows with torch on this machine (no per-request
+    tensors, no bookkeeping, no committer sharing the memory bus)."""
+    index = torch.from_numpy(hit_slots)
+    keys = []
+    for w, dtype in ((width, HIDDEN_DTYPE), (MM_WIDTH, MM_DTYPE)):
+        pool = torch.ones((num_slots, w), dtype=dtype)  # touched, as the cache's pool is once written
+        keys.append((pool, torch.randn(own_rows, w).to(dtype)))
+    kept = None
+    times = []
+    for _ in range(repeat + 1):
+        t0 = time.perf_counter()
+        outs = []
+        for pool, own in keys:
+            out = torch.empty((index.numel() + own_rows, pool.shape[1]), dtype=pool.dtype)
+            torch.index_select(pool, 0, index, out=out[: index.numel()])
+            out[index.numel() :].copy_(own)
+            outs.append(out)
+        times.append(time.perf_counter() - t0)
+        kept = outs  # noqa: F841 (held until the next iteration's gather is done)
+    nbytes = sum(o.numel() * o.element_size() for o in outs)
+    return statistics.median(times[1:]), nbytes
+
+
+def hit_slots_of(st: Step) -> np.ndarray:
+    """The slots of every hitting request's cached prefix in step ``st``, in request order."""
+    parts = []
+    for r in st.reqs:
+        if r.hit:
+            pos = np.arange(r.hit)
+            parts.append(np.asarray(r.blocks, dtype=np.int64)[pos // BLOCK] * BLOCK + pos % BLOCK)
+    return np.concatenate(parts) if parts else np.empty(0, np.int64)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test): width 64, short steps")
@@ -373,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         copy_step = copy_reference(step_bytes, 30)
         copy_mat = copy_reference(mat_bytes, 30)
         fresh_mat = fresh_copy_reference(mat_bytes, 30)
+        gather_s, gather_bytes = gather_reference(num_blocks * BLOCK, width, hit_slots_of(steps[-1]), size, 30)
         row["torch_copy"] = {
             "step_bytes_us": copy_step * 1e6,
             "step_bytes_gbps": step_bytes / copy_step / 1e9,
@@ -381,8 +425,15 @@ def main(argv: list[str] | None = None) -> int:
             "materialize_bytes_into_new_memory_us": fresh_mat * 1e6,
             "materialize_bytes_into_new_memory_gbps": mat_bytes / fresh_mat / 1e9,
         }
+        row["torch_gather"] = {
+            "bytes": gather_bytes,
+            "us": gather_s * 1e6,
+            "gbps": gather_bytes / gather_s / 1e9,
+            "vs_copy_bandwidth": gather_bytes / gather_s / (mat_bytes / copy_mat),
+        }
         ours = row["omni_pcache"]
         ours["materialize_vs_copy_bandwidth"] = ours["materialize_gbps"] / row["torch_copy"]["materialize_bytes_gbps"]
+        ours["materialize_vs_gather_bandwidth"] = ours["materialize_gbps"] / row["torch_gather"]["gbps"]
         if "vllm_omni" in row:
             theirs = row["vllm_omni"]
             theirs["materialize_vs_copy_bandwidth"] = (
@@ -409,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
             f" | torch copy: step {row['torch_copy']['step_bytes_us']:.0f} us,"
             f" {row['torch_copy']['materialize_bytes_gbps']:.2f} GB/s"
             f" ({row['torch_copy']['materialize_bytes_into_new_memory_gbps']:.2f} GB/s into new memory)"
+            f" | torch gather of the same rows: {row['torch_gather']['gbps']:.2f} GB/s"
+            f" ({row['torch_gather']['vs_copy_bandwidth']:.0%} of the copy; ours"
+            f" {ours['materialize_vs_gather_bandwidth']:.0%} of it)"
         )
         print(line, flush=True)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cachekit import batch, describe, rows, slots_of, small_cache
-from omni_pcache import NewRequest, StepBatch, StepEvents, UnservableHitError
+from omni_pcache import NewRequest, StepBatch, StepEvents, UnservableHitError, outputs
 
 BS = 4
 
@@ -97,6 +97,58 @@ def test_same_step_hit_on_blocks_another_request_computes_now() -> None:
         expect(out, "a", [(1, 0, 9)])
         expect(out, "b", [(1, 0, 8), (2, 8, 2)])
         assert cache.stats().rows_in_flight == 16
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 4, 9, 10_000])
+def test_outputs_built_in_chunks_are_each_requests_rows_and_its_own_to_write(monkeypatch, chunk_rows) -> None:
+    # The widest key ("codes": 2 int64) has 16-byte rows: a chunk holds up to chunk_rows rows
+    # of requests (1: each request alone; 10,000: the whole step in one chunk).
+    monkeypatch.setattr(outputs, "OUTPUT_CHUNK_BYTES", chunk_rows * 16)
+    with small_cache() as cache:
+        cache.materialize(run_step(cache, [NewRequest("a", [0, 1, 2])], reqs=[("a", [0, 1, 2], 0, 12, 1)]), ["a"])
+        cache.flush()
+        sid = run_step(
+            cache,
+            [
+                NewRequest("b", [0, 1, 5], 8),
+                NewRequest("c", [6, 7]),
+                NewRequest("d", [8]),
+                NewRequest("e", [0, 9], 4),
+                NewRequest("f", [10]),
+            ],
+            reqs=[
+                ("b", [0, 1, 5], 8, 3, 2),
+                ("c", [6, 7], 0, 5, 3),
+                ("d", [8], 0, 2, 4),
+                ("e", [0, 9], 4, 2, 5),
+                ("f", [10], 0, 3, 6),
+            ],
+        )
+        want = {
+            "b": [(1, 0, 8), (2, 8, 3)],
+            "c": [(3, 0, 5)],
+            "d": [(4, 0, 2)],
+            "e": [(1, 0, 4), (5, 4, 2)],
+            "f": [(6, 0, 3)],
+        }
+        out = cache.materialize(sid, ["f", "b", "c", "d", "e"])  # (not the batch order)
+        for req, spans in want.items():
+            expect(out, req, spans)
+        for req in want:  # each request's tensors are its own: writing them changes no other's
+            out.hidden[req].fill_(-1)
+            out.mm["codes"][req].fill_(-1)
+            for other, spans in want.items():
+                if other != req and out.hidden[other].min() >= 0:
+                    expect(out, other, spans)
+
+
+def test_output_chunks_group_consecutive_requests_up_to_the_chunk_bytes(monkeypatch) -> None:
+    monkeypatch.setattr(outputs, "OUTPUT_CHUNK_BYTES", 4 * 8)  # 4 rows of 8 bytes
+    assert outputs.output_chunks([], 8) == []
+    assert outputs.output_chunks([1, 2, 1], 8) == [(0, 3)]  # everything fits: one chunk
+    # A request larger than a chunk gets one of its own; none is split.
+    assert outputs.output_chunks([1, 2, 3, 5, 1, 0, 4], 8) == [(0, 2), (2, 3), (3, 4), (4, 6), (6, 7)]
+    assert outputs.output_chunks([9, 9], 0) == [(0, 2)]  # rows of no bytes
 
 
 def test_after_reuse_hits_read_the_new_tenant() -> None:

@@ -430,9 +430,10 @@ class PrefixCache:
     def materialize(self, step_id: int, req_ids: Sequence[str]) -> StepOutputs:
         """Per-request outputs of step ``step_id`` (any thread, exactly once per step id).
 
-        A request with a hit gets its cached prefix rows followed by this step's rows, in
-        tensors of its own; a miss gets this step's rows, as slices of one copy per key of the
-        step's miss rows. Every returned tensor is the caller's to keep or write. Raises
+        A request with a hit gets its cached prefix rows followed by this step's rows; a miss
+        gets this step's rows. The requests' tensors of a key are slices of one new host tensor
+        (one per chunk of `outputs.OUTPUT_CHUNK_BYTES`); every returned tensor is the caller's
+        to keep or write. Raises
         `UnservableHitError` for rows that cannot be served, `StepIdError` for a consumed or
         unknown id, `InvalidInputError` for a request that was not in the step (the id is then
         not consumed).

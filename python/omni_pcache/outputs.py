@@ -1,12 +1,16 @@
 """Assembling a step's outputs at `PrefixCache.materialize` (any thread, once per step id).
 
 Per request, the rows it returns come from: the pool (a hit's span, gathered by `HitReader`
-straight into the front of the request's own tensor), and this step's rows — read from the
-caller's CPU tensors when materialize runs on the saving thread before the next `begin_step`
-(the caller may not reuse them until then), else from the staging page once the step's copy
-is done, or from a deferred key's device clone. The misses of a step get slices of one host
-copy of their rows per key, as a batch's rows are slices of the batch; hits get tensors of
-their own. Every returned tensor is the caller's to keep or write.
+straight into the front of the request's rows), and this step's rows behind them — read from
+the caller's CPU tensors when materialize runs on the saving thread before the next
+`begin_step` (the caller may not reuse them until then), else from the staging page once the
+step's copy is done, or from a deferred key's device clone.
+
+The requests' tensors of a key are slices of one new host tensor per chunk of requests, as a
+batch's rows are slices of the batch: one allocation and, for consecutive requests without
+hits, one copy per key instead of one per request. A chunk holds consecutive requests up to
+`OUTPUT_CHUNK_BYTES` per key (a larger request gets a chunk of its own). Every returned tensor
+is the caller's to keep or write; keeping one keeps its chunk's memory.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
 
-import numpy as np
 import torch
 
 from omni_pcache.config import HIDDEN
@@ -28,6 +31,36 @@ from omni_pcache.pages import StagingPages
 from omni_pcache.reads import HitRead, HitReader
 from omni_pcache.snapshot import is_per_row
 from omni_pcache.stats import Counters
+
+OUTPUT_CHUNK_BYTES = 16 << 20
+"""Most bytes per key of one output chunk (see the module docstring). glibc hands an allocation
+of up to 32 MiB back from memory it already touched once one such was freed; a larger one is a
+fresh mapping that pays a page fault per 4 KiB it is written (measured: one 42 MiB output per
+key at 8,192 tokens made materialize 2x slower than per-request tensors of ~6 MiB)."""
+
+
+def host_copy(rows: torch.Tensor) -> torch.Tensor:
+    """A contiguous host copy of ``rows``, on any device."""
+    return rows.cpu() if rows.is_cuda else rows.clone(memory_format=torch.contiguous_format)
+
+
+def output_chunks(sizes: Sequence[int], row_bytes: int) -> list[tuple[int, int]]:
+    """Consecutive requests ``[a, b)`` per output chunk: as many as fit ``OUTPUT_CHUNK_BYTES``
+    at ``row_bytes`` per row (the widest key's), at least one each; none for no requests."""
+    if not sizes:
+        return []
+    if row_bytes <= 0 or sum(sizes) * row_bytes <= OUTPUT_CHUNK_BYTES:
+        return [(0, len(sizes))]
+    limit = max(1, OUTPUT_CHUNK_BYTES // row_bytes)
+    bounds: list[tuple[int, int]] = []
+    first, rows = 0, 0
+    for i, size in enumerate(sizes):
+        if rows and rows + size > limit:
+            bounds.append((first, i))
+            first, rows = i, 0
+        rows += size
+    bounds.append((first, len(sizes)))
+    return bounds
 
 
 @dataclass(slots=True)
@@ -68,44 +101,82 @@ class OutputBuilder:
         """Per-request outputs of the step; raises what `HitReader.serve` raises."""
         in_place = self._sources_in_place(record)
         sources = {name: self._step_rows(record, name, in_place) for name in record.keys}
-        # Hit rows first: they come from the pool, so this step's own copy (run by the
-        # committer meanwhile) is usually done by the time its rows are needed.
-        hit_out = {}
-        if record.hits:
-            for req_id in req_ids:
-                hit = record.hits.get(req_id)
-                if hit is not None:
-                    hit_out[req_id] = self._serve_hit(record, req_id, hit, sources)
-        if not in_place:
-            record.handle.wait()
-        elif record.leftover:  # snapshots of CUDA leftovers land on the side stream, even in place
-            record.handle.wait_device()
-        misses = [r for r in req_ids if r not in hit_out] if hit_out else req_ids
-        shared, sizes = self._miss_rows(record, misses, sources)
-        # One split per key (a slice per request would cost a Python indexing call each).
-        miss_out = {name: torch.split_with_sizes(rows, sizes) for name, rows in shared.items()} if misses else {}
-        # Keys in the order asked, whichever path fills them (without hits: the misses' pieces).
-        per_key = {name: dict.fromkeys(req_ids) for name in record.keys} if hit_out else {}
-        for name, pieces in miss_out.items():
-            if hit_out:
-                per_key[name].update(zip(misses, pieces, strict=True))
-            else:
-                per_key[name] = dict(zip(misses, pieces, strict=True))
-        hidden: dict[str, Any] | None = per_key.get(HIDDEN, {}) if HIDDEN in record.keys else None
-        mm: dict[str, dict[str, Any]] = {name: per_key.get(name, {}) for name in record.keys if name != HIDDEN}
-        spans = None  # each asked request's (start, count, drop), made for the first per-row entry
+        spans = [record.rows[req_id] for req_id in req_ids]  # (first row in the page, rows, rows not returned)
+        hits = [record.hits.get(req_id) for req_id in req_ids] if record.hits else None
+        sizes = [count - drop for _, count, drop in spans]  # rows returned (drop <= count: never negative)
+        if hits is None and req_ids == list(record.rows) and not any(map(itemgetter(2), spans)):
+            # The usual step without hits: every request in batch order, each row returned.
+            # The outputs are slices of one copy of the step's rows per key.
+            self._wait_copy(record, in_place)
+            bounds = [(0, len(req_ids))] if req_ids else []
+            chunks = [{name: host_copy(src) for name, src in sources.items()}] if req_ids else []
+        else:
+            if hits is not None:
+                sizes = [size + (hit.num_rows if hit else 0) for size, hit in zip(sizes, hits, strict=True)]
+            row_bytes = max((src.stride(0) * src.element_size() for src in sources.values()), default=0)
+            bounds = output_chunks(sizes, row_bytes)
+            chunks = [
+                {name: torch.empty((sum(sizes[a:b]), *src.shape[1:]), dtype=src.dtype) for name, src in sources.items()}
+                for a, b in bounds
+            ]
+            # Hit rows first: they come from the pool, so this step's own copy (run by the
+            # committer meanwhile) is usually done by the time its rows are needed.
+            runs = self._serve_hits(record, req_ids, spans, hits, bounds, chunks)
+            self._wait_copy(record, in_place)
+            for out, begin, end, at in runs:  # this step's rows behind the hits'
+                for name, src in sources.items():
+                    out[name][at : at + end - begin].copy_(src[begin:end])
+        per_key: dict[str, dict[str, Any]] = {}
+        for name in sources:  # one split per chunk and key (a slice per request costs a Python call each)
+            pieces: list[torch.Tensor] = []
+            for (a, b), out in zip(bounds, chunks, strict=True):
+                pieces.extend(torch.split_with_sizes(out[name], sizes[a:b]) if b - a > 1 else (out[name],))
+            per_key[name] = dict(zip(req_ids, pieces, strict=True))
+        hidden: dict[str, Any] | None = per_key.pop(HIDDEN) if HIDDEN in per_key else None
+        mm: dict[str, dict[str, Any]] = per_key
         for name, value in record.leftover.items():  # whole, or each request's rows of it
             if is_per_row(value, record.n, record.n_padded):
-                spans = spans or [record.rows[req_id] for req_id in req_ids]
                 mm[name] = {req_id: value[s : s + c] for req_id, (s, c, _) in zip(req_ids, spans, strict=True)}
             else:
                 mm[name] = dict.fromkeys(req_ids, value)
-        for req_id, out in hit_out.items():  # this step's rows behind the hit's
-            start, count, drop = record.rows[req_id]
-            for name, src in sources.items():
-                out[name][out[name].shape[0] - (count - drop) :].copy_(src[start + drop : start + count])
-                (hidden if name == HIDDEN else mm[name])[req_id] = out[name]  # type: ignore[index]
         return StepOutputs(hidden, mm)
+
+    @staticmethod
+    def _wait_copy(record: StepRecord, in_place: bool) -> None:
+        """Waits until this step's rows and leftover snapshots may be read: the step's copy,
+        or in place only the device copies of CUDA leftovers (they land on the side stream)."""
+        if not in_place:
+            record.handle.wait()
+        elif record.leftover:
+            record.handle.wait_device()
+
+    def _serve_hits(self, record, req_ids, spans, hits, bounds, chunks) -> list[list[Any]]:
+        """Gathers each hit's rows into the front of its request's rows in its chunk, and plans
+        the copies of this step's rows behind them: ``[chunk, first source row, end, first
+        output row]`` per run, consecutive requests without hits coalesced into one."""
+        runs: list[list[Any]] = []
+        for (a, b), out in zip(bounds, chunks, strict=True):
+            at = 0  # the chunk's next output row
+            for i in range(a, b):
+                hit = hits[i] if hits is not None else None
+                if hit is not None:
+                    self._serve_hit(record, req_ids[i], hit, {k: o[at : at + hit.num_rows] for k, o in out.items()})
+                    at += hit.num_rows
+                start, count, drop = spans[i]
+                if count == drop:
+                    continue
+                last = runs[-1] if runs else None
+                if (
+                    last is not None
+                    and last[0] is out
+                    and last[2] == start + drop
+                    and last[3] + last[2] - last[1] == at
+                ):
+                    last[2] = start + count  # (right behind the previous run, in the source and the output)
+                else:
+                    runs.append([out, start + drop, start + count, at])
+                at += count - drop
+        return runs
 
     def _sources_in_place(self, record: StepRecord) -> bool:
         """Whether this step's rows may be read from the caller's CPU tensors: only on the thread
@@ -125,48 +196,9 @@ class OutputBuilder:
             return record.sources[name]
         return self._pages.page(name, record.page)[: record.n]
 
-    @staticmethod
-    def _miss_rows(record: StepRecord, misses: list[str], sources: dict[str, torch.Tensor]):
-        """One host copy per key of the rows the misses return, in request order, and how many
-        rows each miss has in it: its tensors are slices of that copy, as a batch's rows are."""
-        spans = [record.rows[req_id] for req_id in misses]
-        sizes = [count - drop for _, count, drop in spans]  # (drop <= count: never negative)
-        runs: list[list[int]] = []
-        if misses == list(record.rows) and not any(map(itemgetter(2), spans)):
-            if record.n:  # every request of the step in batch order, each row returned: one run
-                runs.append([0, record.n])
-        else:
-            for start, count, drop in spans:
-                begin, end = start + drop, start + count
-                if end > begin:
-                    if runs and runs[-1][1] == begin:
-                        runs[-1][1] = end
-                    else:
-                        runs.append([begin, end])
-        if not runs:  # every miss returns zero rows (all delivered before)
-            return {name: src.new_empty((0, *src.shape[1:]), device="cpu") for name, src in sources.items()}, sizes
-        if len(runs) == 1:
-            (begin, end), index = runs[0], None
-        else:
-            index = torch.from_numpy(np.concatenate([np.arange(b, e) for b, e in runs]))
-        shared = {}
-        for name, src in sources.items():
-            if index is None:
-                rows = src if begin == 0 and end == src.shape[0] else src[begin:end]  # (a view less: every row)
-                shared[name] = rows.cpu() if rows.is_cuda else rows.clone()
-            else:
-                shared[name] = src.index_select(0, index.to(src.device)).cpu()
-        return shared, sizes
-
-    def _serve_hit(self, record: StepRecord, req_id: str, hit: HitRead, sources: dict) -> dict[str, torch.Tensor]:
-        """A hit's own output tensor per key, its rows gathered into the front (this step's rows
-        go behind them once copied)."""
-        _, count, drop = record.rows[req_id]
-        out = {
-            name: torch.empty((hit.num_rows + count - drop, *src.shape[1:]), dtype=src.dtype)
-            for name, src in sources.items()
-        }
-        into = {name: o[: hit.num_rows] for name, o in out.items()}
+    def _serve_hit(self, record: StepRecord, req_id: str, hit: HitRead, into: dict[str, torch.Tensor]) -> None:
+        """A hit's rows gathered into ``into[key]`` (the front of the request's rows in the
+        output)."""
         served = self._reader.serve(hit, record.step_id, self._timeout_s, into)
         self._counters.add(
             rows_from_pool=served.from_pool, rows_in_flight=served.in_flight, rows_preserved=served.preserved
@@ -174,7 +206,6 @@ class OutputBuilder:
         for name, rows in served.rows.items():
             if rows.data_ptr() != into[name].data_ptr():
                 into[name].copy_(rows)
-        return out
 
 
 __all__ = ["OutputBuilder", "StepRecord"]
