@@ -8,7 +8,8 @@ row that was never written, or moved with no preserved copy, raises `UnservableH
 never zeros, stale rows or a short tensor.
 
 Threads: plans are made on the engine thread under the ledger lock; `serve` runs on
-whichever thread materializes, taking the lock only for validation and the preserved lookup.
+whichever thread materializes, taking the ledger lock only to look up moved rows among the
+preserved copies (validation itself takes only the native ledger's own mutex).
 """
 
 from __future__ import annotations
@@ -137,9 +138,12 @@ class HitReader:
                     positions = record.position_of(read.slots[at].tolist())
                     rows[torch.from_numpy(at)] = record.rows(read.spec, positions)
             kept = None
-            with self._cond:
-                moved = self._ledger.validate(read.read_id)
-                if moved.size:
+            # The usual case, nothing moved, needs only the ledger's own lock; moved rows are
+            # looked up again under the cache's, atomically with the preserved copies.
+            moved = self._ledger.validate(read.read_id)
+            if moved.size:
+                with self._cond:
+                    moved = self._ledger.validate(read.read_id)
                     slots = read.slots[moved].tolist()
                     versions = read.versions[moved].tolist()
                     lost = [
@@ -158,8 +162,6 @@ class HitReader:
                         kept = self._preserved.take(read.spec.name, slots, versions, deadline, self._failure)
                     except TimeoutError as exc:
                         raise UnservableHitError(f"request {hit.req_id!r} (step {step_id}): {exc}") from None
-                else:
-                    moved = np.empty(0, dtype=np.int64)
             if kept is not None:  # copied outside the lock
                 rows[torch.from_numpy(moved)] = torch.stack(kept)
                 preserved += int(moved.size)
