@@ -116,6 +116,35 @@ def test_rows_saved_from_reused_output_buffers_equal_the_reference(
     assert result.rows_checked > 0 and cached.hit_tokens > 0
 
 
+@pytest.mark.parametrize(
+    ("name", "config", "workload", "num_requests", "abort_rate"), SCENARIOS, ids=[s[0] for s in SCENARIOS]
+)
+def test_rows_returned_in_one_chunk_per_request_equal_the_reference(
+    monkeypatch, name, config, workload, num_requests, abort_rate
+):
+    # Materialize returns slices of one tensor per key for a step's requests, in chunks of
+    # OUTPUT_CHUNK_BYTES; at 1 byte every request gets a chunk of its own, so hits, misses,
+    # drops of already-delivered rows, late reads and leftovers all go through chunk bounds.
+    monkeypatch.setattr("omni_pcache.outputs.OUTPUT_CHUNK_BYTES", 1)
+    cached, result = check(replace(config, model="prefix-hash"), workload, num_requests, 1, abort_rate)
+    assert result.rows_checked > 0 and cached.hit_tokens > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    ("name", "config", "workload", "num_requests", "abort_rate"), SCENARIOS, ids=[s[0] for s in SCENARIOS]
+)
+def test_rows_from_cuda_buffers_returned_in_one_chunk_per_request_equal_the_reference(
+    monkeypatch, name, config, workload, num_requests, abort_rate
+):
+    # As above with the step's rows (and deferred keys' clones) on the device: this step's
+    # rows are copied device -> host run by run into each request's chunk.
+    monkeypatch.setattr("omni_pcache.outputs.OUTPUT_CHUNK_BYTES", 1)
+    config = replace(config, model="prefix-hash", output_device="cuda")
+    _, result = check(config, workload, num_requests, 0, abort_rate)
+    assert result.rows_checked > 0
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("seed", range(CUDA_SEEDS))
 @pytest.mark.parametrize(
