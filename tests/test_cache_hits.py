@@ -100,30 +100,33 @@ def test_same_step_hit_on_blocks_another_request_computes_now() -> None:
 
 
 @pytest.mark.parametrize("chunk_rows", [1, 4, 9, 10_000])
-def test_outputs_built_in_chunks_are_each_requests_rows_and_its_own_to_write(monkeypatch, chunk_rows) -> None:
+@pytest.mark.parametrize("late", [False, True], ids=["in-place", "after-the-next-begin-step"])
+def test_outputs_built_in_chunks_are_each_requests_rows_and_its_own_to_write(monkeypatch, chunk_rows, late) -> None:
     # The widest key ("codes": 2 int64) has 16-byte rows: a chunk holds up to chunk_rows rows
-    # of requests (1: each request alone; 10,000: the whole step in one chunk).
+    # of requests (1: each request alone; 10,000: the whole step in one chunk). ``late``:
+    # materialized after the next begin_step, from the staging page instead of the inputs.
     monkeypatch.setattr(outputs, "OUTPUT_CHUNK_BYTES", chunk_rows * 16)
+    inputs = {}
+
+    def keep_inputs(reqs):  # the step's mm input, kept to check that no output aliases it
+        inputs["codes"] = torch.cat([rows(w, s, c, width=2, dtype=torch.int64) for _, _, s, c, w in reqs])
+        return {"codes": inputs["codes"]}
+
     with small_cache() as cache:
         cache.materialize(run_step(cache, [NewRequest("a", [0, 1, 2])], reqs=[("a", [0, 1, 2], 0, 12, 1)]), ["a"])
         cache.flush()
-        sid = run_step(
-            cache,
-            [
-                NewRequest("b", [0, 1, 5], 8),
-                NewRequest("c", [6, 7]),
-                NewRequest("d", [8]),
-                NewRequest("e", [0, 9], 4),
-                NewRequest("f", [10]),
-            ],
-            reqs=[
-                ("b", [0, 1, 5], 8, 3, 2),
-                ("c", [6, 7], 0, 5, 3),
-                ("d", [8], 0, 2, 4),
-                ("e", [0, 9], 4, 2, 5),
-                ("f", [10], 0, 3, 6),
-            ],
-        )
+        reqs = [
+            ("b", [0, 1, 5], 8, 3, 2),  # a hit, then a miss, a zero-row miss, a miss, a hit, a miss
+            ("c", [6, 7], 0, 5, 3),
+            ("z", [11], 0, 0, 8),
+            ("d", [8], 0, 2, 4),
+            ("e", [0, 9], 4, 2, 5),
+            ("f", [10], 0, 3, 6),
+        ]
+        new = [NewRequest(r, b, s) for r, b, s, _, _ in reqs]
+        sid = run_step(cache, new, reqs=reqs, mm_fn=keep_inputs)
+        if late:
+            cache.begin_step(StepEvents())
         want = {
             "b": [(1, 0, 8), (2, 8, 3)],
             "c": [(3, 0, 5)],
@@ -131,15 +134,22 @@ def test_outputs_built_in_chunks_are_each_requests_rows_and_its_own_to_write(mon
             "e": [(1, 0, 4), (5, 4, 2)],
             "f": [(6, 0, 3)],
         }
-        out = cache.materialize(sid, ["f", "b", "c", "d", "e"])  # (not the batch order)
+        out = cache.materialize(sid, ["f", "b", "c", "z", "d", "e"])  # (not the batch order)
         for req, spans in want.items():
             expect(out, req, spans)
+        assert out.hidden["z"].shape == (0, 3) and out.mm["codes"]["z"].shape == (0, 2)
+        written = set()
         for req in want:  # each request's tensors are its own: writing them changes no other's
             out.hidden[req].fill_(-1)
             out.mm["codes"][req].fill_(-1)
+            written.add(req)
             for other, spans in want.items():
-                if other != req and out.hidden[other].min() >= 0:
+                if other not in written:
                     expect(out, other, spans)
+        # ... nor the step's inputs, nor the pool: a later hit on a's prefix still reads a's rows.
+        assert torch.equal(inputs["codes"][:3], rows(2, 8, 3, width=2, dtype=torch.int64))
+        sid = run_step(cache, [NewRequest("g", [0, 12], 4)], reqs=[("g", [0, 12], 4, 1, 7)])
+        expect(cache.materialize(sid, ["g"]), "g", [(1, 0, 4), (7, 4, 1)])
 
 
 def test_output_chunks_group_consecutive_requests_up_to_the_chunk_bytes(monkeypatch) -> None:
@@ -149,6 +159,7 @@ def test_output_chunks_group_consecutive_requests_up_to_the_chunk_bytes(monkeypa
     # A request larger than a chunk gets one of its own; none is split.
     assert outputs.output_chunks([1, 2, 3, 5, 1, 0, 4], 8) == [(0, 2), (2, 3), (3, 4), (4, 6), (6, 7)]
     assert outputs.output_chunks([9, 9], 0) == [(0, 2)]  # rows of no bytes
+    assert outputs.output_chunks([1, 1, 1], 64) == [(0, 1), (1, 2), (2, 3)]  # a row wider than a chunk
 
 
 def test_after_reuse_hits_read_the_new_tenant() -> None:

@@ -15,6 +15,7 @@ is the caller's to keep or write; keeping one keeps its chunk's memory.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,8 +41,10 @@ key at 8,192 tokens made materialize 2x slower than per-request tensors of ~6 Mi
 
 
 def host_copy(rows: torch.Tensor) -> torch.Tensor:
-    """A contiguous host copy of ``rows``, on any device."""
-    return rows.cpu() if rows.is_cuda else rows.clone(memory_format=torch.contiguous_format)
+    """A contiguous host copy of ``rows``, from any device."""
+    if rows.is_cuda:
+        return rows.to("cpu", memory_format=torch.contiguous_format)
+    return rows.clone(memory_format=torch.contiguous_format)
 
 
 def output_chunks(sizes: Sequence[int], row_bytes: int) -> list[tuple[int, int]]:
@@ -104,19 +107,31 @@ class OutputBuilder:
         spans = [record.rows[req_id] for req_id in req_ids]  # (first row in the page, rows, rows not returned)
         hits = [record.hits.get(req_id) for req_id in req_ids] if record.hits else None
         sizes = [count - drop for _, count, drop in spans]  # rows returned (drop <= count: never negative)
+        row_bytes = max((math.prod(src.shape[1:]) * src.element_size() for src in sources.values()), default=0)
         if hits is None and req_ids == list(record.rows) and not any(map(itemgetter(2), spans)):
             # The usual step without hits: every request in batch order, each row returned.
-            # The outputs are slices of one copy of the step's rows per key.
+            # Each chunk is one copy of a contiguous span of the step's rows per key.
             self._wait_copy(record, in_place)
-            bounds = [(0, len(req_ids))] if req_ids else []
-            chunks = [{name: host_copy(src) for name, src in sources.items()}] if req_ids else []
+            bounds = output_chunks(sizes, row_bytes)
+            if len(bounds) == 1:  # (the usual case: no view to make)
+                chunks = [{name: host_copy(src) for name, src in sources.items()}]
+            else:
+                chunks = [
+                    {
+                        name: host_copy(src[spans[a][0] : spans[b - 1][0] + spans[b - 1][1]])
+                        for name, src in sources.items()
+                    }
+                    for a, b in bounds
+                ]
         else:
             if hits is not None:
                 sizes = [size + (hit.num_rows if hit else 0) for size, hit in zip(sizes, hits, strict=True)]
-            row_bytes = max((src.stride(0) * src.element_size() for src in sources.values()), default=0)
             bounds = output_chunks(sizes, row_bytes)
             chunks = [
-                {name: torch.empty((sum(sizes[a:b]), *src.shape[1:]), dtype=src.dtype) for name, src in sources.items()}
+                {
+                    name: torch.empty((sum(sizes[a:b]), *src.shape[1:]), dtype=src.dtype, device="cpu")
+                    for name, src in sources.items()
+                }
                 for a, b in bounds
             ]
             # Hit rows first: they come from the pool, so this step's own copy (run by the
