@@ -322,3 +322,22 @@ def test_mm_key_missing_from_the_hit_prefix_raises() -> None:
         sid = run_step(cache, [NewRequest("b", [0, 2], 4)], reqs=[("b", [0, 2], 4, 2, 2)], mm_fn=with_extra)
         with pytest.raises(UnservableHitError, match="'extra'"):
             cache.materialize(sid, ["b"])
+
+
+def test_outputs_are_host_tensors_whatever_the_callers_default_device() -> None:
+    # A runner may set a default device (torch.set_default_device / `with torch.device(...)`);
+    # outputs still come back on the host, on every path: a hit, and misses asked out of order.
+    with small_cache() as cache:
+        cache.materialize(run_step(cache, [NewRequest("a", [0, 1])], reqs=[("a", [0, 1], 0, 8, 1)]), ["a"])
+        cache.flush()
+        sid = run_step(
+            cache,
+            [NewRequest("b", [0, 2], 4), NewRequest("c", [3]), NewRequest("d", [4])],
+            reqs=[("b", [0, 2], 4, 2, 2), ("c", [3], 0, 3, 3), ("d", [4], 0, 2, 4)],
+        )
+        with torch.device("meta"):
+            out = cache.materialize(sid, ["d", "c", "b"])
+        assert {t.device.type for t in [*out.hidden.values(), *out.mm["codes"].values()]} == {"cpu"}
+        expect(out, "b", [(1, 0, 4), (2, 4, 2)])
+        expect(out, "c", [(3, 0, 3)])
+        expect(out, "d", [(4, 0, 2)])
