@@ -88,7 +88,7 @@ class PrefixCache:
         self._steps = StepPages(
             config, self._staging, self._reader, self._preserved, self._cond, self._counters.waited, self._closed_error
         )
-        self._outputs = OutputBuilder(self._pages, self._reader, self._copies, self._counters, config.claim_timeout_s)
+        self._outputs = OutputBuilder(self._reader, self._copies, self._counters, config.claim_timeout_s)
         self._deferred = DeferredWrites(
             config, self._tasks, lambda: self._committer.notify(1), self._counters.waited, self._failure_or_none
         )
@@ -229,11 +229,13 @@ class PrefixCache:
         try:
             copy = self._copies.start()
             sources: dict[str, torch.Tensor] = {}
+            staged: dict[str, torch.Tensor] = {}
             for spec in immediate:
                 src = cached[spec.name][1]
                 if src.shape[0] != shape.n:  # (padded past the scheduled rows; else no view to make)
                     src = src[: shape.n]
-                copy.copy(self._pages.page(spec.name, page)[: shape.n], src)
+                staged[spec.name] = dst = self._pages.page(spec.name, page)[: shape.n]
+                copy.copy(dst, src)
                 if not src.is_cuda:
                     sources[spec.name] = src
             kept_leftover = {name: snapshot(value, copy) for name, value in leftover.items()}
@@ -260,7 +262,8 @@ class PrefixCache:
             hits: dict[str, HitRead] = {req: self._reader.plan(req, read, specs) for req, read in reads.items()}
             self._steps.records[step_id] = StepRecord(
                 step_id, page, handle, shape.n, shape.n_padded, rows, list(cached), hits, kept_leftover, clones,
-                sources, threading.get_ident(), self._copies.epoch,
+                sources, staged, threading.get_ident(), self._copies.epoch,
+                max((s.row_bytes for s in specs), default=0),
             )  # fmt: skip
         try:
             self._tasks.enqueue_many(task_ids)

@@ -15,7 +15,6 @@ is the caller's to keep or write; keeping one keeps its chunk's memory.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,7 +27,6 @@ from omni_pcache.config import HIDDEN
 from omni_pcache.copy_engine import CopyEngine, CopyHandle
 from omni_pcache.deferred import Clone
 from omni_pcache.events import StepOutputs
-from omni_pcache.pages import StagingPages
 from omni_pcache.reads import HitRead, HitReader
 from omni_pcache.snapshot import is_per_row
 from omni_pcache.stats import Counters
@@ -83,18 +81,17 @@ class StepRecord:
     # The caller's CPU rows of the immediate keys, readable in place by the saving thread until
     # the next begin_step (the copy fence `epoch`), so materialize there skips the copy wait.
     sources: dict[str, torch.Tensor]
+    staged: dict[str, torch.Tensor]  # the immediate keys' rows in the staging page (valid once copied)
     saved_by: int
     epoch: int
+    row_bytes: int  # the widest cached key's bytes per row (sizes the output chunks)
 
 
 class OutputBuilder:
     """Builds `StepOutputs` from a consumed `StepRecord` (the materializing thread; takes the
     ledger lock only inside `HitReader.serve`)."""
 
-    def __init__(
-        self, pages: StagingPages, reader: HitReader, copies: CopyEngine, counters: Counters, timeout_s: float
-    ) -> None:
-        self._pages = pages
+    def __init__(self, reader: HitReader, copies: CopyEngine, counters: Counters, timeout_s: float) -> None:
         self._reader = reader
         self._copies = copies
         self._counters = counters
@@ -103,16 +100,18 @@ class OutputBuilder:
     def build(self, record: StepRecord, req_ids: Sequence[str]) -> StepOutputs:
         """Per-request outputs of the step; raises what `HitReader.serve` raises."""
         in_place = self._sources_in_place(record)
-        sources = {name: self._step_rows(record, name, in_place) for name in record.keys}
+        if not record.clones:  # (every key's rows as they are: no view to make)
+            sources = record.sources if in_place else record.staged
+        else:
+            sources = {name: self._step_rows(record, name, in_place) for name in record.keys}
         spans = [record.rows[req_id] for req_id in req_ids]  # (first row in the page, rows, rows not returned)
         hits = [record.hits.get(req_id) for req_id in req_ids] if record.hits else None
         sizes = [count - drop for _, count, drop in spans]  # rows returned (drop <= count: never negative)
-        row_bytes = max((math.prod(src.shape[1:]) * src.element_size() for src in sources.values()), default=0)
         if hits is None and req_ids == list(record.rows) and not any(map(itemgetter(2), spans)):
             # The usual step without hits: every request in batch order, each row returned.
             # Each chunk is one copy of a contiguous span of the step's rows per key.
             self._wait_copy(record, in_place)
-            bounds = output_chunks(sizes, row_bytes)
+            bounds = output_chunks(sizes, record.row_bytes)
             if len(bounds) == 1:  # (the usual case: no view to make)
                 chunks = [{name: host_copy(src) for name, src in sources.items()}]
             else:
@@ -126,7 +125,7 @@ class OutputBuilder:
         else:
             if hits is not None:
                 sizes = [size + (hit.num_rows if hit else 0) for size, hit in zip(sizes, hits, strict=True)]
-            bounds = output_chunks(sizes, row_bytes)
+            bounds = output_chunks(sizes, record.row_bytes)
             chunks = [
                 {
                     name: torch.empty((sum(sizes[a:b]), *src.shape[1:]), dtype=src.dtype, device="cpu")
@@ -207,9 +206,7 @@ class OutputBuilder:
         tensor (``in_place``), else the staging page (valid once the copy handle is waited)."""
         if name in record.clones:
             return record.clones[name].rows(0, record.n)
-        if in_place:
-            return record.sources[name]
-        return self._pages.page(name, record.page)[: record.n]
+        return record.sources[name] if in_place else record.staged[name]
 
     def _serve_hit(self, record: StepRecord, req_id: str, hit: HitRead, into: dict[str, torch.Tensor]) -> None:
         """A hit's rows gathered into ``into[key]`` (the front of the request's rows in the
