@@ -152,6 +152,25 @@ def test_outputs_built_in_chunks_are_each_requests_rows_and_its_own_to_write(mon
         expect(cache.materialize(sid, ["g"]), "g", [(1, 0, 4), (7, 4, 1)])
 
 
+@pytest.mark.parametrize("chunk_rows", [1, 3, 5, 10_000])
+def test_a_step_without_hits_comes_back_in_chunks_of_its_rows(monkeypatch, chunk_rows) -> None:
+    # The no-hit path: every request asked in batch order, each chunk one copy of a span of the
+    # step's rows; zero-row requests at chunk edges. (16-byte "codes" rows are the widest.)
+    monkeypatch.setattr(outputs, "OUTPUT_CHUNK_BYTES", chunk_rows * 16)
+    with small_cache() as cache:
+        reqs = [("p", [0], 0, 2, 1), ("q", [1], 0, 0, 2), ("r", [2], 0, 3, 3), ("s", [3], 0, 0, 4), ("t", [4], 0, 1, 5)]
+        sid = run_step(cache, [NewRequest(r, b) for r, b, _, _, _ in reqs], reqs=reqs)
+        out = cache.materialize(sid, [r for r, *_ in reqs])
+        for req, _, _, count, writer in reqs:
+            if count:
+                expect(out, req, [(writer, 0, count)])
+            else:
+                assert out.hidden[req].shape == (0, 3) and out.mm["codes"][req].shape == (0, 2)
+        out.hidden["p"].fill_(-1)  # each request's rows are its own
+        expect(out, "r", [(3, 0, 3)])
+        expect(out, "t", [(5, 0, 1)])
+
+
 def test_output_chunks_group_consecutive_requests_up_to_the_chunk_bytes(monkeypatch) -> None:
     monkeypatch.setattr(outputs, "OUTPUT_CHUNK_BYTES", 4 * 8)  # 4 rows of 8 bytes
     assert outputs.output_chunks([], 8) == []
