@@ -137,9 +137,10 @@ class OutputBuilder:
             # committer meanwhile) is usually done by the time its rows are needed.
             runs = self._serve_hits(record, req_ids, spans, hits, bounds, chunks)
             self._wait_copy(record, in_place)
-            for out, begin, end, at in runs:  # this step's rows behind the hits'
-                for name, src in sources.items():
-                    out[name][at : at + end - begin].copy_(src[begin:end])
+            for out, chunk_runs in zip(chunks, runs, strict=True):  # this step's rows behind the hits'
+                for begin, at, rows in chunk_runs:
+                    for name, src in sources.items():
+                        out[name][at : at + rows].copy_(src[begin : begin + rows])
         per_key: dict[str, dict[str, Any]] = {}
         for name in sources:  # one split per chunk and key (a slice per request costs a Python call each)
             pieces: list[torch.Tensor] = []
@@ -164,13 +165,14 @@ class OutputBuilder:
         elif record.leftover:
             record.handle.wait_device()
 
-    def _serve_hits(self, record, req_ids, spans, hits, bounds, chunks) -> list[list[Any]]:
+    def _serve_hits(self, record, req_ids, spans, hits, bounds, chunks) -> list[list[tuple[int, int, int]]]:
         """Gathers each hit's rows into the front of its request's rows in its chunk, and plans
-        the copies of this step's rows behind them: ``[chunk, first source row, end, first
-        output row]`` per run, consecutive requests without hits coalesced into one."""
-        runs: list[list[Any]] = []
+        the copies of this step's rows behind them: per chunk, ``(first source row, first
+        output row, rows)`` runs, consecutive requests without hits coalesced into one."""
+        runs: list[list[tuple[int, int, int]]] = []
         for (a, b), out in zip(bounds, chunks, strict=True):
             at = 0  # the chunk's next output row
+            chunk_runs: list[tuple[int, int, int]] = []
             for i in range(a, b):
                 hit = hits[i] if hits is not None else None
                 if hit is not None:
@@ -179,17 +181,13 @@ class OutputBuilder:
                 start, count, drop = spans[i]
                 if count == drop:
                     continue
-                last = runs[-1] if runs else None
-                if (
-                    last is not None
-                    and last[0] is out
-                    and last[2] == start + drop
-                    and last[3] + last[2] - last[1] == at
-                ):
-                    last[2] = start + count  # (right behind the previous run, in the source and the output)
+                begin, to, rows = chunk_runs[-1] if chunk_runs else (-1, -1, 0)
+                if begin + rows == start + drop and to + rows == at:  # (right behind it, both sides)
+                    chunk_runs[-1] = (begin, to, rows + count - drop)
                 else:
-                    runs.append([out, start + drop, start + count, at])
+                    chunk_runs.append((start + drop, at, count - drop))
                 at += count - drop
+            runs.append(chunk_runs)
         return runs
 
     def _sources_in_place(self, record: StepRecord) -> bool:
