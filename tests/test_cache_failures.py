@@ -17,12 +17,20 @@ def save_one(cache, first_slot=0, n=2):
 
 
 @pytest.mark.parametrize(
-    ("threaded", "inline_write_bytes"),
-    [(True, 0), (False, 0), (True, 1 << 20)],
-    ids=["committer", "inline-mode", "written-in-save"],
+    ("threaded", "inline_write_bytes", "where"),
+    [
+        (True, 0, "pool_write"),
+        (True, 0, "copy_wait"),
+        (False, 0, "pool_write"),
+        (False, 0, "copy_wait"),
+        # a small step written by save itself: no queue, no copy wait; its one native call fails
+        (True, 1 << 20, "native_write_in_save"),
+    ],
+    ids=["committer-pool_write", "committer-copy_wait", "inline-mode-pool_write", "inline-mode-copy_wait", "in-save"],
 )
-@pytest.mark.parametrize("where", ["pool_write", "copy_wait"])
-def test_a_failed_write_is_sticky_and_releases_everything(threaded: bool, inline_write_bytes: int, where: str) -> None:
+def test_a_failed_write_is_sticky_and_releases_everything(
+    monkeypatch, threaded: bool, inline_write_bytes: int, where: str
+) -> None:
     cache = small_cache(inline_write_bytes=inline_write_bytes, threaded=threaded, staging_depth=2, claim_timeout_s=5.0)
     boom = RuntimeError("injected: disk on fire")
 
@@ -31,8 +39,10 @@ def test_a_failed_write_is_sticky_and_releases_everything(threaded: bool, inline
 
     if where == "pool_write":
         cache._writer.write_step = fail
-    else:
+    elif where == "copy_wait":
         cache._writer.write_batch = fail
+    else:
+        monkeypatch.setattr("omni_pcache.writes.write_step_now", fail)
     cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
     first = save_one(cache)
     with pytest.raises(
@@ -121,14 +131,17 @@ def test_a_broken_committer_thread_fails_loudly_instead_of_hanging() -> None:
         assert cache.stats().staging_holders == [[], [], []]
 
 
-def test_a_failure_while_save_is_between_its_claims_and_its_queueing_raises_the_sticky_error() -> None:
+@pytest.mark.parametrize("inline_write_bytes", [0, 1 << 20], ids=["queued", "written-in-save"])
+def test_a_failure_while_save_is_between_its_claims_and_its_queueing_raises_the_sticky_error(
+    inline_write_bytes: int,
+) -> None:
     # The committer fails (and fails every live task) right after save claimed its rows: save
-    # reports that failure, not the refused queueing of its now-FAILED tasks.
-    with small_cache() as cache:
+    # reports that failure, not the refused queueing (or write) of its now-FAILED tasks.
+    with small_cache(inline_write_bytes=inline_write_bytes) as cache:
         claim_rows = cache._claim_rows
 
-        def claims_then_the_committer_fails(*args):
-            out = claim_rows(*args)
+        def claims_then_the_committer_fails(*args, **kwargs):
+            out = claim_rows(*args, **kwargs)
             cache._on_write_failure(-1, RuntimeError("pool write failed"))  # what the committer runs
             return out
 

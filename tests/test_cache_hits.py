@@ -86,8 +86,11 @@ def test_partial_match_writes_its_divergent_block_without_touching_the_earlier_r
         expect(out, "d", [(1, 0, 8), (2, 8, 4), (4, 12, 1)])
 
 
-def test_same_step_hit_on_blocks_another_request_computes_now() -> None:
-    with small_cache() as cache:
+@pytest.mark.parametrize("inline_write_bytes", [0, 1 << 20], ids=["queued", "written-in-save"])
+def test_same_step_hit_on_blocks_another_request_computes_now(inline_write_bytes: int) -> None:
+    # Queued: b's read is planned on a's task in flight. Written in save: a's rows reach the
+    # pool before b's read is planned, which then reads them from the pool.
+    with small_cache(inline_write_bytes=inline_write_bytes) as cache:
         sid = run_step(
             cache,
             [NewRequest("a", [0, 1, 2]), NewRequest("b", [0, 1, 3], 8)],
@@ -96,7 +99,9 @@ def test_same_step_hit_on_blocks_another_request_computes_now() -> None:
         out = cache.materialize(sid, ["b", "a"])
         expect(out, "a", [(1, 0, 9)])
         expect(out, "b", [(1, 0, 8), (2, 8, 2)])
-        assert cache.stats().rows_in_flight == 16
+        stats = cache.stats()
+        # (8 rows of 2 keys)
+        assert (stats.rows_in_flight, stats.rows_from_pool) == ((16, 0) if inline_write_bytes == 0 else (0, 16))
 
 
 @pytest.mark.parametrize("chunk_rows", [1, 4, 9, 10_000])

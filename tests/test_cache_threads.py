@@ -15,10 +15,11 @@ from omni_pcache import NewRequest, StepBatch, StepEvents
 
 
 def recording_pool_writes(cache) -> list[str]:
-    """The thread of every pool write: a step's run of tasks (`PoolWriter.write_step`) or a
-    deferred record's key (`HostPool.write`)."""
+    """The thread of every pool write: a step's run of tasks (`PoolWriter.write_step`), a small
+    step written by save (`PoolWriter.write_step_now`) or a deferred record's key
+    (`HostPool.write`)."""
     names: list[str] = []
-    for owner, name in ((cache._writer, "write_step"), (cache._pool, "write")):
+    for owner, name in ((cache._writer, "write_step"), (cache._writer, "write_step_now"), (cache._pool, "write")):
         write = getattr(owner, name)
 
         def record(*args, write=write):
@@ -53,6 +54,7 @@ def test_a_small_cpu_step_is_written_inside_save_while_the_committer_is_idle() -
         sid = cache.save(torch.ones(4, 2), {}, StepBatch(["a"], [4], np.arange(4)))
         assert writers == ["MainThread"], "written before save returned, by the saving thread"
         assert cache.stats().bytes_written == {"hidden": 4 * 2 * 4}
+        assert cache.stats().tasks_live == 0, "its tasks closed and forgotten inside save (nothing queued)"
         assert torch.equal(cache.materialize(sid, ["a"]).hidden["a"], torch.ones(4, 2))
         cache.begin_step(StepEvents(new=[NewRequest("b", [0, 2], 4)], finished=["a"]))
         out = cache.materialize(cache.save(torch.zeros(1, 2), {}, StepBatch(["b"], [1], np.array([8]))), ["b"])

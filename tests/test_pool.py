@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from omni_pcache import CacheClosedError, InvalidInputError
+from omni_pcache import CacheClosedError, InvalidInputError, TaskStateError
 from omni_pcache._native import (
     SOURCE_ABSENT,
     SOURCE_POOL,
@@ -17,6 +17,7 @@ from omni_pcache._native import (
     claim_step,
     close_step_writes,
     scatter_rows,
+    write_step_now,
     write_step_rows,
 )
 from omni_pcache.keys import KeySpec
@@ -219,3 +220,30 @@ def test_closing_a_written_step_run_commits_it_releases_its_page_and_publishes_i
     assert tasks.reap_completions() == ids and len(tasks) == 0
     with pytest.raises(InvalidInputError, match=r"unknown task"):
         close_step_writes(tasks, ledger, staging, page, ids)  # once only
+
+
+def test_a_small_step_written_by_its_saver_is_committed_released_and_forgotten_in_one_call() -> None:
+    """`write_step_now`: a step's tasks as `claim_step` leaves them (PENDING, holding the page)
+    written whole with no queue entry: rows in the pool, committed, holds dropped, the tasks
+    gone from the table and never published; a refusal before the copy changes nothing."""
+    tasks, ledger, staging = WriteTasks(), Ledger(16), StagingSlots(2)
+    key = ledger.add_key()
+    page = staging.claim(("step", 0))
+    slots = np.array([3, 4, 9, 10, 11], dtype=np.int64)
+    ids, _ = claim_step(tasks, ledger, staging, page, slots, [2, 3], [key])
+    rows = np.arange(1, 6 * 4 + 1, dtype=np.uint8).reshape(6, 4)  # six distinct rows, none zero
+    pool = np.zeros((16, 4), dtype=np.uint8)
+    with pytest.raises(InvalidInputError, match=r"write_step_now: key#0: row position 6 at 4 is out of range \[0, 6\)"):
+        write_step_now(tasks, ledger, staging, page, ids, [1, 4], [(key, rows, pool)])
+    assert [tasks.state(t) for t in ids] == ["PENDING", "PENDING"] and not pool.any(), "refused: nothing changed"
+    assert write_step_now(tasks, ledger, staging, page, ids, [1, 3], [(key, rows, pool)]) == [5]
+    np.testing.assert_array_equal(pool[slots], rows[1:6])  # task 0's rows from page row 1, task 1's from 3
+    assert not np.delete(pool, slots, axis=0).any()
+    assert ledger.peek(slots, key)[0].tolist() == [SOURCE_POOL] * 5
+    assert staging.holders()[page] == [("step", 0)]
+    assert len(tasks) == 0 and tasks.reap_completions() == [] and tasks.num_queue_entries == 0
+    (queued,) = claim_step(tasks, ledger, staging, page, np.array([5], dtype=np.int64), [1], [key])[0]
+    tasks.enqueue(queued, True)  # the committer's now: not the saver's to take
+    with pytest.raises(TaskStateError, match="illegal transition QUEUED -> QUEUED"):
+        write_step_now(tasks, ledger, staging, page, [queued], [0], [(key, rows, pool)])
+    assert tasks.state(queued) == "QUEUED" and not pool[5].any()

@@ -188,6 +188,21 @@ def write_step_rows(
     Returns the rows written per key. Refuses a page/pool that does not fit
     (``InvalidInputError``) before anything changes."""
 
+def write_step_now(
+    tasks: WriteTasks,
+    ledger: Ledger,
+    staging: StagingSlots,
+    page: int,
+    task_ids: Sequence[int],
+    offsets: Sequence[int],
+    keys: Sequence[tuple[int, npt.NDArray[np.uint8], npt.NDArray[np.uint8]]],
+) -> list[int]:
+    """A small step written whole by the thread that saved it (holding the pool writer's lock):
+    its PENDING tasks go to COPYING with no queue entry, their owned rows are copied as in
+    `write_step_rows` (keeping the GIL), then they are WRITTEN, committed, their holds on
+    staging page ``page`` dropped and the tasks dropped from the table without a completion.
+    Returns the rows written per key; refusals as `write_step_rows`."""
+
 def check_batch(
     req_ids: Iterable[Any], counts: Iterable[Any], slot_mapping: Any, capacity: int, num_slots: int
 ) -> tuple[int, npt.NDArray[np.int64], dict[Any, tuple[int, int]], list[Any], list[int], list[int]] | None:

@@ -5,14 +5,16 @@ hit spans, escalates the writes of finished ones and fences last step's copies; 
 (after the forward) launches the copy of the step's per-token rows into a staging page (one
 copy per key, see `omni_pcache.copy_engine`), claims their slots in the
 ledger under one write task per request, plans this step's hit reads, snapshots leftover mm
-and returns a step id. The committer thread writes the pool. `materialize` (any thread,
+and returns a step id. The committer thread writes the pool, except a small all-CPU step
+that save writes itself while the committer is idle. `materialize` (any thread,
 possibly a step late) returns per request the cached prefix rows followed by this step's
 rows (assembled by `omni_pcache.outputs`); `discard` consumes a step id nobody needs.
 
 Locks: one *ledger lock* makes ledger calls atomic with the Python bookkeeping around them
 (claims with copy-on-write obligations, commits with closing a write record, validation with
-the preserved-row lookup). It is never held across a wait, a copy or a scatter; waits use its
-condition variable.
+the preserved-row lookup). It is never held across a wait, or a copy or scatter larger than
+`CacheConfig.inline_write_bytes` (the one save writes itself); waits use its condition
+variable.
 """
 
 from __future__ import annotations
@@ -74,7 +76,9 @@ class PrefixCache:
         self._pages = StagingPages(config.staging_depth, config.staging_capacity_tokens)
         self._preserved = PreservedRows(config.max_preserved_rows, self._cond)
         self._copies = CopyEngine()
-        self._writer = PoolWriter(self._tasks, self._ledger, self._staging, self._pool, self._preserved, self._cond)
+        self._writer = PoolWriter(
+            self._tasks, self._ledger, self._staging, self._pool, self._preserved, self._cond, self._pages
+        )
         self._reader = HitReader(
             self._ledger,
             self._pool,
@@ -246,17 +250,26 @@ class PrefixCache:
             if self._failure is not None or isinstance(exc, CacheClosedError):  # every call raises the failure
                 raise self._closed_error("the cache was closed during save") from None
             raise
+        # A small all-CPU step is written here, before its hits are planned, while the committer
+        # is idle: its tasks are never queued and no record of them is kept (see `_write_step_now`).
+        now = self._write_here(shape.n, immediate, deferred, sources, handle) and self._committer.hold_writer()
         try:
-            task_ids, from_pool, from_deferred = self._claim_rows(
-                step_id, page, shape, immediate, deferred, handle, clones
-            )
-        except CacheClosedError:  # (claims fail only when the cache failed or closed meanwhile)
-            raise self._closed_error("the cache was closed during save") from None
-        for spec, slots, versions in from_pool:
-            rows = self._pool.read(spec.name, torch.tensor(slots, dtype=torch.int64))
-            self._preserved.fill(spec.name, slots, versions, rows)
-        for record, spec, slots, versions in from_deferred:
-            self._preserved.fill(spec.name, slots, versions, record.rows(spec, record.position_of(slots)))
+            try:
+                task_ids, from_pool, from_deferred = self._claim_rows(
+                    step_id, page, shape, immediate, deferred, handle, clones, queued=not now
+                )
+            except CacheClosedError:  # (claims fail only when the cache failed or closed meanwhile)
+                raise self._closed_error("the cache was closed during save") from None
+            for spec, slots, versions in from_pool:  # (before this step's rows overwrite them)
+                rows = self._pool.read(spec.name, torch.tensor(slots, dtype=torch.int64))
+                self._preserved.fill(spec.name, slots, versions, rows)
+            for record, spec, slots, versions in from_deferred:
+                self._preserved.fill(spec.name, slots, versions, record.rows(spec, record.position_of(slots)))
+            if now and task_ids:
+                self._write_step_now(step_id, page, shape, immediate, task_ids)
+        finally:
+            if now:
+                self._committer.release_writer()
         with self._cond:
             rows, reads = self._delivery.take_step(shape.rows)
             hits: dict[str, HitRead] = {req: self._reader.plan(req, read, specs) for req, read in reads.items()}
@@ -265,29 +278,44 @@ class PrefixCache:
                 sources, staged, threading.get_ident(), self._copies.epoch,
                 max((s.row_bytes for s in specs), default=0),
             )  # fmt: skip
+        if now:
+            return step_id
         try:
             self._tasks.enqueue_many(task_ids)
         except TaskStateError:  # the committer failed meanwhile and failed these tasks with the rest
             raise self._closed_error("the cache was closed during save") from None
-        if self._write_here(task_ids, shape.n, immediate, sources, handle):
-            self._committer.write_now(len(task_ids))
-        else:
-            self._committer.notify(len(task_ids))
+        self._committer.notify(len(task_ids))
         return step_id
 
-    def _write_here(self, task_ids: list, n: int, immediate: list, sources: dict, handle: CopyHandle) -> bool:
-        """Whether save writes its step to the pool itself: a small step whose rows all came
-        from CPU tensors and are already copied (see `CacheConfig.inline_write_bytes`)."""
+    def _write_here(self, n: int, immediate: list, deferred: list, sources: dict, handle: CopyHandle) -> bool:
+        """Whether save may write its step to the pool itself: a small step whose rows all came
+        from CPU tensors and are already copied, without deferred keys (see
+        `CacheConfig.inline_write_bytes`)."""
         return (
-            bool(task_ids)
+            not deferred
             and len(sources) == len(immediate)
             and n * sum(spec.row_bytes for spec in immediate) < self._config.inline_write_bytes
             and handle.done()
         )
 
-    def _claim_rows(self, step_id, page, shape, immediate, deferred, handle, clones):
+    def _write_step_now(self, step_id: int, page: int, shape, immediate: list, task_ids: list[int]) -> None:
+        """Writes the step's new tasks to the pool on the engine thread, holding the writer's
+        lock (one native call: `PoolWriter.write_step_now`). Its hits are planned after it, so
+        they read these rows from the pool; nothing else can name the tasks yet, so none is
+        recorded. Its own failure is made sticky, as the committer's are, and raised by the next
+        call; a write refused because the cache failed meanwhile raises that failure now."""
+        try:
+            self._writer.write_step_now(page, immediate, task_ids, shape.claim_starts)
+        except BaseException as exc:
+            failed_before = self._failure is not None
+            self._on_write_failure(task_ids[0], exc, f"request {shape.claim_req_ids[0]!r}, step {step_id}")
+            if failed_before:
+                raise self._closed_error("the cache was closed during save") from None
+
+    def _claim_rows(self, step_id, page, shape, immediate, deferred, handle, clones, queued: bool):
         """Creates the step's immediate write tasks (one per request with rows, in one
-        `StepWrite`) and extends each request's open deferred record, claiming their slots and
+        `StepWrite` when they will be ``queued`` for the committer; none when save writes them
+        itself) and extends each request's open deferred record, claiming their slots and
         registering copy-on-write obligations atomically with the claims (ledger lock). Returns
         the immediate task ids."""
         task_ids: list[int] = []
@@ -305,11 +333,20 @@ class PrefixCache:
                 task_ids, outcomes = claim_step(
                     self._tasks, self._ledger, self._staging, page, slot_ids, counts, key_ids
                 )
-                write = StepWrite.of(
-                    step_id, page, tuple(immediate), handle, slot_ids, self._pages, task_ids, req_ids, starts, counts
-                )
-                self._records.update(zip(task_ids, [write] * len(task_ids), strict=True))
-                if task_ids:
+                if queued and task_ids:
+                    write = StepWrite.of(
+                        step_id,
+                        page,
+                        tuple(immediate),
+                        handle,
+                        slot_ids,
+                        self._pages,
+                        task_ids,
+                        req_ids,
+                        starts,
+                        counts,
+                    )
+                    self._records.update(zip(task_ids, [write] * len(task_ids), strict=True))
                     self._open_writes[step_id] = write
                 for spec, out in zip(immediate, outcomes, strict=True):
                     if out is not None and out.preserve_slots.size:
@@ -358,7 +395,7 @@ class PrefixCache:
 
     def _write_tasks(self, task_ids: list[int]) -> None:
         """Writes a batch of queued tasks (the pool's writer: the committer, or the engine thread
-        in `Committer.write_now`); `PoolWriter.write_batch` commits and releases them."""
+        in inline mode); `PoolWriter.write_batch` commits and releases them."""
         if self._failure is not None:
             raise self._failure
         first = self._records[task_ids[0]]
@@ -368,13 +405,15 @@ class PrefixCache:
             groups = batch_groups(task_ids, [self._records[t] for t in task_ids])
         self._writer.write_batch(groups)
 
-    def _on_write_failure(self, task_id: int, exc: BaseException) -> None:
-        """Makes the failure sticky and releases every page and waiter (committer thread).
-        ``task_id`` is -1 when the committer itself failed outside a write."""
+    def _on_write_failure(self, task_id: int, exc: BaseException, what: str | None = None) -> None:
+        """Makes the failure sticky and releases every page and waiter (the writing thread).
+        ``task_id`` is -1 when the committer itself failed outside a write; ``what`` names the
+        task's request and step when no record of it is kept."""
         with self._cond:
             if self._failure is None:
                 record = self._records.get(task_id)
-                what = f"request {record.req_of(task_id)!r}, step {record.step_id}" if record else "unknown"
+                if what is None:
+                    what = f"request {record.req_of(task_id)!r}, step {record.step_id}" if record else "unknown"
                 failed = f"write task#{task_id} ({what})" if task_id >= 0 else "the committer thread"
                 err = WriteFailedError(
                     f"{failed} failed: {exc!r}; every later call raises this error: close the cache and build a new one"

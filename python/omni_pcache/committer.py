@@ -2,9 +2,9 @@
 
 It pops write tasks from the native copy queues (escalated first, then high, then low) and
 hands what is queued, in pop order, to a write function as one batch. Popping and writing
-happen under one write lock, so the pool has one writer at a time: `write_now` lets the
-engine thread write a small step itself while the committer is idle (no wake-up, no GIL
-contention), and hands it over when the committer is writing. ``threaded=False`` runs the
+happen under one write lock, so the pool has one writer at a time: `hold_writer` lets the
+engine thread write a small step itself while the committer is idle (no queueing, no wake-up,
+no GIL contention); when the committer is writing, the step is queued for it instead. ``threaded=False`` runs the
 same loop inline, on the caller's thread, until the queues are empty (debugging; the engine
 thread then pays for every pool write).
 
@@ -48,8 +48,8 @@ class Committer:
         # takes back) cost ~28 µs when the committer then runs a GIL-releasing copy.
         self._wake = threading.Lock()
         self._wake.acquire()
-        # Held while popping and writing a batch: whichever thread drains (the committer, or the
-        # engine thread in `write_now`) is the pool's only writer meanwhile, in pop order.
+        # Held while popping and writing a batch (the committer) or while the engine thread writes
+        # a small step itself (`hold_writer`): the pool's only writer meanwhile.
         self._writing = threading.Lock()
         # Set by the committer just before it checks the queue and sleeps: a notify that finds
         # it clear skips the wake-up (tens of microseconds on the engine thread). The GIL
@@ -81,17 +81,14 @@ class Committer:
         except RuntimeError:  # already pending
             pass
 
-    def write_now(self, num_tasks: int) -> None:
-        """Writes what is queued on the calling thread (engine thread, for a small step whose
-        rows are already on the host: cheaper than waking the committer, which would then
-        contend for the GIL) unless the committer is writing, in which case it is notified."""
-        if not self._threaded or not self._writing.acquire(blocking=False):
-            self.notify(num_tasks)
-            return
-        try:
-            self._drain_locked()
-        finally:
-            self._writing.release()
+    def hold_writer(self) -> bool:
+        """Takes the pool writer's lock if nobody is writing (engine thread, for a small step
+        it writes itself without queueing it: `PrefixCache.save`); the caller must call
+        `release_writer` after. False when the committer is writing."""
+        return self._writing.acquire(blocking=False)
+
+    def release_writer(self) -> None:
+        self._writing.release()
 
     def _drain(self) -> None:
         with self._writing:

@@ -14,9 +14,10 @@ Both kinds of record answer for the tasks they hold (`is_done`, `req_of`, `slot_
 `finish_tasks`), so the cache keeps one ``task id -> record`` map for both.
 
 Threads: `write_batch` runs under the committer's write lock (the pool's single writer: the
-committer thread, or the engine thread writing a small step in `Committer.write_now`). The
-ledger lock is held for the commit and for closing the tasks, never across the copy wait or
-the scatter.
+committer thread, or the engine thread in inline mode). The ledger lock is held for the
+commit and for closing the tasks, never across the copy wait or the scatter. `write_step_now`
+runs on the engine thread under the same write lock (`Committer.hold_writer`) and holds the
+ledger lock throughout, small copy included: its step is under `CacheConfig.inline_write_bytes`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from operator import itemgetter
 import numpy as np
 import torch
 
-from omni_pcache._native import Ledger, StagingSlots, WriteTasks, close_step_writes, write_step_rows
+from omni_pcache._native import Ledger, StagingSlots, WriteTasks, close_step_writes, write_step_now, write_step_rows
 from omni_pcache.copy_engine import CopyHandle
 from omni_pcache.keys import KeySpec
 from omni_pcache.pages import StagingPages
@@ -127,11 +128,13 @@ class PoolWriter:
         pool: HostPool,
         preserved: PreservedRows,
         cond: threading.Condition,
+        pages: StagingPages,
     ) -> None:
         self._tasks = tasks
         self._ledger = ledger
         self._staging = staging
         self._pool = pool
+        self._pages = pages
         self._preserved = preserved
         self._cond = cond
         self.bytes_written: dict[str, int] = {}
@@ -213,6 +216,21 @@ class PoolWriter:
         pages, page, pool = record.pages, record.page, self._pool
         targets = [(spec.key_id, pages.page_bytes(spec.name, page), pool.byte_rows(spec.name)) for spec in keys]
         written = write_step_rows(self._tasks, self._ledger, task_ids, record.offsets(task_ids), targets)
+        for spec, rows in zip(keys, written, strict=True):
+            self.bytes_written[spec.name] = self.bytes_written.get(spec.name, 0) + rows * spec.row_bytes
+
+    def write_step_now(self, page: int, keys: list[KeySpec], task_ids: list[int], offsets: list[int]) -> None:
+        """A small step's new (PENDING) tasks written whole by the thread that saved it, which
+        holds the writer's lock (`Committer.hold_writer`): queued and popped at once, their rows
+        copied from staging page ``page`` (task ``i``'s from row ``offsets[i]``), committed,
+        released and forgotten, in one native call (`_native.write_step_now`), under the ledger
+        lock (atomic with the commit, as `write_batch`'s closing is; the copy is small). No
+        record of them is kept: nothing waits on them, and no read was planned on them yet."""
+        keys = [spec for spec in keys if spec.row_bytes]  # (rows of no bytes move nothing)
+        pages, pool = self._pages, self._pool
+        targets = [(spec.key_id, pages.page_bytes(spec.name, page), pool.byte_rows(spec.name)) for spec in keys]
+        with self._cond:
+            written = write_step_now(self._tasks, self._ledger, self._staging, page, task_ids, offsets, targets)
         for spec, rows in zip(keys, written, strict=True):
             self.bytes_written[spec.name] = self.bytes_written.get(spec.name, 0) + rows * spec.row_bytes
 

@@ -202,6 +202,15 @@ impl TaskStateCell {
         self.step(TaskState::Queued, TaskState::Copying)
     }
 
+    /// PENDING → QUEUED → COPYING with no queue entry: the pool's writer takes a task the
+    /// moment it would be queued (a small step written by the thread that saved it, which
+    /// holds the writer's lock, so nothing could pop it in between). Refused unless PENDING; a
+    /// refusal of the second edge (the task failed in between) leaves it QUEUED or FAILED.
+    pub fn start_copy_now(&self) -> Result<Snapshot> {
+        self.enqueue()?;
+        self.start_copy()
+    }
+
     /// COPYING → HOST_READY: the task's rows are in host staging memory.
     pub fn copy_done(&self) -> Result<Snapshot> {
         self.step(TaskState::Copying, TaskState::HostReady)
@@ -268,6 +277,32 @@ mod tests {
         assert_eq!(c.start_copy().unwrap().state(), TaskState::Copying);
         assert_eq!(c.copy_done().unwrap().state(), TaskState::HostReady);
         assert_eq!(c.written().unwrap().state(), TaskState::Written);
+    }
+
+    #[test]
+    fn start_copy_now_passes_through_queued_and_only_from_pending() {
+        let c = cell();
+        c.mark_escalated().unwrap();
+        let now = c.start_copy_now().unwrap();
+        assert_eq!(now.state(), TaskState::Copying);
+        assert!(now.is_escalated(), "the flag survives both edges");
+        let err = c.start_copy_now().unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "task#7: illegal transition COPYING -> QUEUED"
+        );
+        assert_eq!(
+            c.load().state(),
+            TaskState::Copying,
+            "a refusal changes nothing"
+        );
+        let queued = cell();
+        queued.enqueue().unwrap();
+        assert!(
+            queued.start_copy_now().is_err(),
+            "a queued task is the queue's"
+        );
+        assert_eq!(queued.load().state(), TaskState::Queued);
     }
 
     #[test]

@@ -38,5 +38,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(scatter::scatter_rows, m)?)?;
     m.add_function(wrap_pyfunction!(scatter::write_step_rows, m)?)?;
     m.add_function(wrap_pyfunction!(scatter::close_step_writes, m)?)?;
+    m.add_function(wrap_pyfunction!(scatter::write_step_now, m)?)?;
     Ok(())
 }

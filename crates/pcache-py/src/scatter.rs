@@ -120,6 +120,7 @@ struct KeyWrite<'py> {
 /// Checks one key's page and pool, finds the rows the tasks still own (the ledger lock held
 /// only for that lookup) and borrows both arrays; `None` when there is nothing to copy.
 fn plan_key<'py>(
+    what: &str,
     ledger: &Ledger,
     task_ids: &[u64],
     offsets: &[i64],
@@ -130,7 +131,7 @@ fn plan_key<'py>(
     if slots.is_empty() || row_bytes == 0 {
         return Ok(None);
     }
-    let refused = |what: String| invalid_input(format!("write_step_rows: key#{key_id}: {what}"));
+    let refused = |why: String| invalid_input(format!("{what}: key#{key_id}: {why}"));
     if !pool.is_c_contiguous() || !page.is_c_contiguous() || page.shape()[1] != row_bytes {
         return Err(refused(format!(
             "page and pool must be C-contiguous rows of {row_bytes} bytes"
@@ -198,10 +199,24 @@ pub fn write_step_rows(
     // Every key checked and its arrays borrowed before anything changes.
     let plans = keys
         .iter()
-        .map(|key| plan_key(ledger.get(), &task_ids, &offsets, key))
+        .map(|key| plan_key("write_step_rows", ledger.get(), &task_ids, &offsets, key))
         .collect::<PyResult<Vec<_>>>()?;
     let tasks = tasks.get();
     tasks.copy_done_all(&task_ids)?;
+    let written = copy_planned_rows(py, "write_step_rows", plans, true)?;
+    tasks.written_all(&task_ids)?;
+    Ok(written)
+}
+
+/// Copies each planned key's owned rows from the page into the pool, without the GIL when
+/// `detach`; returns the rows copied per key (0 for a key with nothing to copy). `what` names
+/// the call in an error.
+fn copy_planned_rows(
+    py: Python<'_>,
+    what: &str,
+    plans: Vec<Option<KeyWrite<'_>>>,
+    detach: bool,
+) -> PyResult<Vec<usize>> {
     let written = plans
         .iter()
         .map(|plan| plan.as_ref().map_or(0, |p| p.slots.len()))
@@ -211,7 +226,7 @@ pub fn write_step_rows(
         let page = plan.page.as_slice().expect("checked C-contiguous");
         let pool = plan.pool.as_slice_mut().expect("checked C-contiguous");
         let (source, slots) = (&plan.source, &plan.slots);
-        py.detach(|| match source {
+        let mut copy = move || match source {
             Source::Span(span) => {
                 row_scatter::scatter_rows(pool, &page[span.clone()], row_bytes, slots)
             }
@@ -219,9 +234,52 @@ pub fn write_step_rows(
                 let rows = row_scatter::gather_rows(page, row_bytes, positions)?;
                 row_scatter::scatter_rows(pool, &rows, row_bytes, slots)
             }
-        })
-        .map_err(|err| invalid_input(format!("write_step_rows: key#{key_id}: {err}")))?;
+        };
+        let copied = if detach { py.detach(copy) } else { copy() };
+        copied.map_err(|err| invalid_input(format!("{what}: key#{key_id}: {err}")))?;
     }
+    Ok(written)
+}
+
+/// A small step written by the thread that saved it, in one call, while it holds the pool
+/// writer's lock (`Committer.hold_writer`): its new tasks (PENDING, just claimed by
+/// `claim_step`) go straight to COPYING without a queue entry, their owned rows of each key
+/// are copied from staging page `page` (task `i`'s rows at page row `offsets[i]`) into the
+/// pool, then WRITTEN; their rows are committed, their holds on the page dropped, and they are
+/// dropped from the task table, never published as completions (nobody holds a record of
+/// them). The copies keep the GIL: the step is small (`CacheConfig.inline_write_bytes`), and
+/// a release would hand the GIL to another thread for up to a switch interval.
+///
+/// Returns the rows written per key. Checks and refusals as `write_step_rows` (nothing changes
+/// on an `InvalidInputError` about a page or pool); a refused transition, commit or release
+/// raises the typed error with the tasks left where they stopped, for the caller to fail.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)] // (the Python call's arguments, one per thing it touches)
+pub fn write_step_now(
+    py: Python<'_>,
+    tasks: &Bound<'_, WriteTasks>,
+    ledger: &Bound<'_, Ledger>,
+    staging: &Bound<'_, StagingSlots>,
+    page: usize,
+    task_ids: Vec<u64>,
+    offsets: Vec<i64>,
+    keys: Vec<KeyRows<'_>>,
+) -> PyResult<Vec<usize>> {
+    let plans = keys
+        .iter()
+        .map(|key| plan_key("write_step_now", ledger.get(), &task_ids, &offsets, key))
+        .collect::<PyResult<Vec<_>>>()?;
+    let tasks = tasks.get();
+    tasks.start_copy_now_all(&task_ids)?;
+    tasks.copy_done_all(&task_ids)?;
+    let written = copy_planned_rows(py, "write_step_now", plans, false)?;
     tasks.written_all(&task_ids)?;
+    let owners: Vec<TaskId> = task_ids.iter().copied().map(TaskId).collect();
+    ledger.get().lock().commit_many(&owners).py_err()?;
+    let staging = staging.get();
+    for &task in &owners {
+        staging.release_for(page, Holder::Task(task))?;
+    }
+    tasks.forget_all(&task_ids)?;
     Ok(written)
 }

@@ -66,6 +66,24 @@ impl WriteTasks {
             .iter()
             .try_for_each(|&id| self.transition(id, TaskStateCell::written))
     }
+
+    /// PENDING → QUEUED → COPYING for each task in order, with no queue entry (the pool's
+    /// writer taking tasks it would otherwise queue and pop at once), stopping at the first
+    /// refused transition.
+    pub(crate) fn start_copy_now_all(&self, task_ids: &[u64]) -> PyResult<()> {
+        task_ids
+            .iter()
+            .try_for_each(|&id| self.transition(id, TaskStateCell::start_copy_now))
+    }
+
+    /// Drops WRITTEN tasks from the table without publishing them on the completion queue
+    /// (their writer closed them itself and nobody holds a record of them), stopping at the
+    /// first refusal (an unknown or non-terminal task).
+    pub(crate) fn forget_all(&self, task_ids: &[u64]) -> PyResult<()> {
+        task_ids
+            .iter()
+            .try_for_each(|&id| self.table.remove(TaskId(id)).map(drop).py_err())
+    }
 }
 
 #[pymethods]
