@@ -16,6 +16,7 @@ from omni_pcache import (
     InvalidInputError,
     NewRequest,
     PrefixCache,
+    ResumedRequest,
     StagingTimeoutError,
     StepBatch,
     StepEvents,
@@ -108,6 +109,10 @@ def test_oversized_step_and_foreign_request_ids_raise_and_change_nothing() -> No
     [
         (StepBatch(["a", "b"], [2], np.arange(2)), "2 req_ids but 1 num_scheduled_tokens"),
         (StepBatch(["a", "a"], [1, 1], np.arange(2)), "req_ids has duplicates"),
+        (
+            StepBatch(["a", 5], [1, 1], np.arange(2)),
+            r"StepBatch.req_ids holds request ids \(str\), got 5 at position 1",
+        ),
         (StepBatch(["a"], [-1], np.arange(2)), "num_scheduled_tokens of 'a' must be an int >= 0"),
         (StepBatch(["a"], [2], np.arange(1)), "slot_mapping has 1 entries for 2 scheduled tokens"),
         (StepBatch(["a"], [2], np.array([0, 64])), r"slot_mapping: slot id 64 at position 1 is out of range \[0, 64\)"),
@@ -187,6 +192,14 @@ def test_a_batch_of_one_shot_iterables_is_read_once() -> None:
         (StepEvents(new=[NewRequest("a", [0, 16])]), r"'a': block id 16 at position 1 is out of range \[0, 16\)"),
         (StepEvents(new=[NewRequest("a", [0]), NewRequest("a", [1])]), "'a' is scheduled twice in one step"),
         (StepEvents(new=["a"]), "StepEvents.new holds NewRequests, got str"),
+        (StepEvents(resumed=[NewRequest("a", [0])]), "StepEvents.resumed holds ResumedRequests, got NewRequest"),
+        (StepEvents(finished=["b", 5]), r"StepEvents.finished holds request ids \(str\), got 5"),
+        (StepEvents(new=[NewRequest(7, [0])]), r"StepEvents.new \(its req_id\) holds request ids \(str\), got 7"),
+        (StepEvents(new=[NewRequest("a", [0], True)]), "'a': num_computed_tokens must be an int >= 0, got True"),
+        (StepEvents(resumed=[ResumedRequest("a", [0], -4)]), "'a': num_computed_tokens must be an int >= 0, got -4"),
+        (StepEvents(new=[NewRequest("a", [0], 4.0)]), "'a': num_computed_tokens must be an int >= 0, got 4.0"),
+        # a good request ahead of a bad one is not registered either
+        (StepEvents(new=[NewRequest("b", [1]), NewRequest("a", [0], 3)]), "'a': num_computed_tokens=3 is not a whole"),
     ],
 )
 def test_bad_events_raise_and_change_nothing(events, message) -> None:
@@ -194,6 +207,10 @@ def test_bad_events_raise_and_change_nothing(events, message) -> None:
         with pytest.raises(InvalidInputError, match=message):
             cache.begin_step(events)
         assert (cache.stats().hits, cache.stats().misses) == (0, 0)
+        # "b" was registered by no refused call: arriving with 4 tokens computed, it is a new hit
+        # (a live request's count would be its own progress, not a hit)
+        cache.begin_step(StepEvents(new=[NewRequest("b", [1], np.int64(4))]))
+        assert (cache.stats().hits, cache.stats().misses) == (1, 0)
         cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
         cache.discard(save_one(cache))
 

@@ -211,3 +211,28 @@ def check_batch(
     ``(first row, rows)``; the requests with rows, their first rows and counts, in batch order).
     ``None`` when ``slot_mapping`` is not a 1-D int64/int32 numpy array (pass it again as
     int64). Raises ``InvalidInputError`` for the first problem found, having built nothing."""
+
+class Deliveries:
+    """What each live request's consumer has been given (engine thread only): resumed and
+    continued requests get each row once, a hit's prefix is read from the pool once."""
+
+    def __init__(self, block_size: int) -> None: ...
+    def is_live(self, req_id: str) -> bool: ...
+    def __len__(self) -> int: ...
+    def begin(
+        self,
+        finished: Iterable[str],
+        new: Iterable[Any],
+        resumed: Iterable[Any],
+        new_type: type,
+        resumed_type: type,
+        num_blocks: int,
+    ) -> tuple[int, int, list[str]]:
+        """A step's events checked, then registered: ``finished`` forgotten, each new and
+        resumed request scheduled. Returns ``(hits, misses, reentered)`` (the live requests
+        scheduled again). Raises `InvalidInputError` for the first problem, changing nothing."""
+    def take_step(
+        self, rows: dict[str, tuple[int, int]]
+    ) -> tuple[dict[str, tuple[int, int, int]], dict[str, npt.NDArray[np.int64]]]:
+        """A save's ``{req_id: (first_row, count)}`` rows, in batch order: returns
+        ``{req_id: (first_row, count, drop)}`` and the pool reads due now, ``{req_id: slots}``."""

@@ -27,12 +27,11 @@ from typing import Any
 
 import torch
 
-from omni_pcache._native import Ledger, StagingSlots, WriteTasks, claim_step
+from omni_pcache._native import Deliveries, Ledger, StagingSlots, WriteTasks, claim_step
 from omni_pcache.committer import Committer
 from omni_pcache.config import CacheConfig, CachePolicy
 from omni_pcache.copy_engine import CopyEngine, CopyHandle
 from omni_pcache.deferred import DeferredRecord, DeferredWrites
-from omni_pcache.delivery import DeliveryTracker
 from omni_pcache.errors import (
     CacheClosedError,
     ConfigError,
@@ -42,7 +41,7 @@ from omni_pcache.errors import (
     WriteFailedError,
     WriteTimeoutError,
 )
-from omni_pcache.events import StepBatch, StepEvents, StepOutputs
+from omni_pcache.events import NewRequest, ResumedRequest, StepBatch, StepEvents, StepOutputs
 from omni_pcache.keys import KeyRegistry, KeySpec
 from omni_pcache.outputs import OutputBuilder, StepRecord
 from omni_pcache.pages import StagingPages
@@ -52,7 +51,7 @@ from omni_pcache.reads import HitRead, HitReader
 from omni_pcache.snapshot import snapshot
 from omni_pcache.stats import CacheStats, Counters
 from omni_pcache.steps import StepPages
-from omni_pcache.validation import check_batch, check_events
+from omni_pcache.validation import check_batch
 from omni_pcache.writes import PoolWriter, StepWrite, batch_groups
 
 
@@ -102,7 +101,8 @@ class PrefixCache:
         # Step writes with tasks not written yet, oldest first, where a finished request's writes
         # are looked up to be escalated (pruned at `_reap_completions`; at most ~staging_depth).
         self._open_writes: dict[int, StepWrite] = {}
-        self._delivery = DeliveryTracker(config.block_size)
+        # What each live request's consumer has been given (native: `pcache_core::delivery`).
+        self._delivery = Deliveries(config.block_size)
         self._failure: WriteFailedError | None = None
         self._closed = False
         self._committer = Committer(self._tasks, self._write_tasks, self._on_write_failure, config.threaded)
@@ -168,33 +168,31 @@ class PrefixCache:
 
         A new request with ``num_computed_tokens > 0`` registers a hit span, read at its first
         save. A resumed request, or a live one continued as new, gets exactly the rows its
-        consumer has not received (see `omni_pcache.delivery`); its open deferred rows are
-        queued for writing, since it may recompute them. Writes of finished or aborted requests
-        go to the front of the copy queue.
+        consumer has not received (the native `Deliveries`, which checks and registers the
+        events in one call); its open deferred rows are queued for writing, since it may
+        recompute them. Writes of finished or aborted requests go to the front of the copy queue.
         """
         self._check_usable()
-        scheduled = check_events(events, self._config, self._delivery.is_live)
+        if not isinstance(events, StepEvents):
+            raise InvalidInputError(f"begin_step takes StepEvents, got {type(events).__name__}")
+        hits, misses, reentered = self._delivery.begin(
+            events.finished, events.new, events.resumed, NewRequest, ResumedRequest, self._config.num_blocks
+        )
         self._copies.fence()
         self._reap_completions()
         flushed = 0
-        hits = misses = 0
         try:
-            for req_id in events.finished:
-                self._delivery.finish(req_id)
-                for write in self._open_writes.values():
-                    task_id = write.task_of(req_id)
-                    # Not forgotten yet (`_reap_completions` drops it from the native table; the
-                    # committer may have published it but not yet closed it in ``write.open``).
-                    if task_id is not None and task_id in self._records:
-                        self._tasks.escalate(task_id)
-                flushed += self._deferred.finish(req_id)
-            for req in scheduled:
-                if not self._delivery.is_live(req.req_id):
-                    hits += req.num_computed > 0
-                    misses += req.num_computed == 0
-                else:
-                    flushed += self._deferred.close_open(req.req_id)
-                self._delivery.schedule(req.req_id, req.blocks, req.num_computed)
+            if self._open_writes or self._deferred.open:
+                for req_id in events.finished:
+                    for write in self._open_writes.values():
+                        task_id = write.task_of(req_id)
+                        # Not forgotten yet (`_reap_completions` drops it from the native table; the
+                        # committer may have published it but not yet closed it in ``write.open``).
+                        if task_id is not None and task_id in self._records:
+                            self._tasks.escalate(task_id)
+                    flushed += self._deferred.finish(req_id)
+            for req_id in reentered:
+                flushed += self._deferred.close_open(req_id)
         except TaskStateError:  # a task the committer's failure failed meanwhile
             raise self._closed_error("the cache is closed") from None
         if flushed:

@@ -13,6 +13,8 @@
 //! - [`staging`]: the staging-slot registry (a ring of pages with holders and timeouts);
 //! - [`batch`]: a step's batch checked (token count, slot mapping) and its requests' rows;
 //! - [`block_table`]: block tables checked, and the slots of a span of positions;
+//! - [`delivery`]: what each live request's consumer has been given (resumed and continued
+//!   requests get each row once);
 //! - [`row_scatter`]: rows copied into the pool slots a slot list names, run by run;
 //! - [`hashing`]: chained 128-bit block hashes over token ids.
 //!
@@ -20,6 +22,7 @@
 
 pub mod batch;
 pub mod block_table;
+pub mod delivery;
 pub mod error;
 pub mod hashing;
 pub mod ids;

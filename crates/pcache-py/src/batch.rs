@@ -3,7 +3,7 @@
 
 use numpy::{PyArray1, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyInt, PyList, PyTuple};
+use pyo3::types::{PyBool, PyDict, PyInt, PyList, PyString, PyTuple};
 
 use crate::convert::int_array;
 use crate::errors::invalid_input;
@@ -47,7 +47,8 @@ fn count_of(value: &Bound<'_, PyAny>, req_id: &Bound<'_, PyAny>) -> PyResult<usi
 /// length; `slot_mapping` a 1-D int64 or int32 numpy array, else `None` is returned and the
 /// caller passes it again as int64. Raises `InvalidInputError` for the first problem (lengths,
 /// a count that is not an int >= 0, more tokens than `capacity`, a short mapping, a slot out of
-/// `[0, num_slots)` or named twice, a request twice), having built nothing.
+/// `[0, num_slots)` or named twice, a request id that is not a `str` or is there twice),
+/// having built nothing.
 #[pyfunction]
 pub fn check_batch<'py>(
     py: Python<'py>,
@@ -58,6 +59,16 @@ pub fn check_batch<'py>(
     num_slots: u32,
 ) -> PyResult<Option<Checked<'py>>> {
     let reqs = PyList::new(py, req_ids.try_iter()?.collect::<PyResult<Vec<_>>>()?)?;
+    if let Some((i, req)) = reqs
+        .iter()
+        .enumerate()
+        .find(|(_, r)| !r.is_instance_of::<PyString>())
+    {
+        let got = req.repr().map(|r| r.to_string()).unwrap_or_default();
+        return Err(invalid_input(format!(
+            "StepBatch.req_ids holds request ids (str), got {got} at position {i}"
+        )));
+    }
     let raw_counts = counts.try_iter()?.collect::<PyResult<Vec<_>>>()?;
     if reqs.len() != raw_counts.len() {
         return Err(invalid_input(format!(

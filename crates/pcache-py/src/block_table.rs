@@ -32,6 +32,11 @@ pub fn block_table(
     blocks: &Bound<'_, PyAny>,
     num_blocks: u32,
 ) -> PyResult<Py<PyArray1<i64>>> {
+    Ok(int_array(py, checked_table(blocks, num_blocks)?))
+}
+
+/// What `block_table` checks and returns, as a `Vec`.
+pub fn checked_table(blocks: &Bound<'_, PyAny>, num_blocks: u32) -> PyResult<Vec<i64>> {
     let table: Vec<i64> = if let Ok(list) = blocks.cast::<PyList>() {
         list.iter()
             .enumerate()
@@ -50,7 +55,7 @@ pub fn block_table(
         }
     };
     pcache_core::block_table::check_block_ids(&table, num_blocks).py_err()?;
-    Ok(int_array(py, table))
+    Ok(table)
 }
 
 /// Slot ids of positions `[start, stop)` under a checked int64 block table.

@@ -9,6 +9,7 @@ mod batch;
 mod block_table;
 mod claims;
 mod convert;
+mod delivery;
 mod errors;
 mod hashing;
 mod ledger;
@@ -30,6 +31,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ledger::ReadPlan>()?;
     m.add_class::<registries::StepIds>()?;
     m.add_class::<registries::StagingSlots>()?;
+    m.add_class::<delivery::Deliveries>()?;
     m.add_function(wrap_pyfunction!(hashing::block_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(batch::check_batch, m)?)?;
     m.add_function(wrap_pyfunction!(block_table::block_table, m)?)?;

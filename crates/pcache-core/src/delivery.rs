@@ -1,0 +1,196 @@
+//! What each live request's consumer has been given: its delivered span `[0, delivered)`.
+//!
+//! The contract: the rows returned for a request over all its steps concatenate to its full
+//! sequence, each row once. A fresh request gets that for free (its hit span from the pool,
+//! then each step's rows). A request that comes back needs the bookkeeping here:
+//!
+//! - **preempted and resumed** with `H` tokens computed (it recomputes from `H`): the rows it
+//!   recomputes in `[H, delivered)` are not returned again, and if `H > delivered` the rows
+//!   `[delivered, H)` are read from the pool;
+//! - **continued** (a live id scheduled as new again, `num_computed_tokens` being what it
+//!   computed itself): not a hit; it gets exactly the rows it was not given yet.
+//!
+//! Each live request has `next_pos`, the position of the next row the engine will save for it.
+//! Engine thread only (`begin_step` and `save`); the binding holds it under its own borrow.
+
+use std::collections::HashMap;
+
+use crate::block_table::slots_of;
+use crate::error::Result;
+
+/// One request's rows in one save: its first row in the step, its row count, and how many of
+/// the leading rows its consumer already has (`drop <= count`: not returned again).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepRows {
+    /// The request's first row in the step's batch.
+    pub first_row: usize,
+    /// Rows the engine computed for it this step.
+    pub count: usize,
+    /// Leading rows already delivered.
+    pub drop: usize,
+}
+
+/// One live request's positions, and the pool read due with its next save.
+#[derive(Debug, Default)]
+struct Delivery {
+    next_pos: usize,
+    delivered: usize,
+    /// Slots of positions `[read_from, next_pos)`, read with the next save.
+    read: Option<Vec<i64>>,
+}
+
+/// The delivered spans of the live requests, by request id.
+#[derive(Debug)]
+pub struct Deliveries {
+    block_size: u32,
+    live: HashMap<String, Delivery>,
+}
+
+impl Deliveries {
+    /// No live request; tables of blocks of `block_size` positions.
+    pub fn new(block_size: u32) -> Self {
+        Self {
+            block_size,
+            live: HashMap::new(),
+        }
+    }
+
+    /// Whether `req_id` is live: scheduled or saved and not finished since.
+    pub fn is_live(&self, req_id: &str) -> bool {
+        self.live.contains_key(req_id)
+    }
+
+    /// Number of live requests.
+    pub fn len(&self) -> usize {
+        self.live.len()
+    }
+
+    /// Whether no request is live.
+    pub fn is_empty(&self) -> bool {
+        self.live.is_empty()
+    }
+
+    /// Forgets a finished or aborted request; whether it was live.
+    pub fn finish(&mut self, req_id: &str) -> bool {
+        self.live.remove(req_id).is_some()
+    }
+
+    /// A request (re)enters with `num_computed` tokens computed under `blocks`: plans the pool
+    /// read of what its consumer has not been given below that, `[delivered, num_computed)`,
+    /// due with its next save. Returns whether it reads. Refuses a span past the table
+    /// (changing nothing).
+    pub fn schedule(&mut self, req_id: &str, blocks: &[i64], num_computed: usize) -> Result<bool> {
+        let delivered = self.live.get(req_id).map_or(0, |d| d.delivered);
+        let read = if num_computed > delivered {
+            Some(slots_of(blocks, delivered, num_computed, self.block_size)?)
+        } else {
+            None
+        };
+        let reads = read.is_some();
+        let state = match self.live.get_mut(req_id) {
+            Some(state) => state,
+            None => self.live.entry(req_id.to_owned()).or_default(),
+        };
+        state.read = read;
+        state.next_pos = num_computed;
+        Ok(reads)
+    }
+
+    /// One save of each request's `(req_id, first_row, count)` rows, in batch order. Returns
+    /// per request its [`StepRows`], and the pool reads due now as `(index of the request in
+    /// `rows`, slots)`. A request never scheduled becomes live at position 0.
+    pub fn take_step<'a>(
+        &mut self,
+        rows: impl IntoIterator<Item = (&'a str, usize, usize)>,
+    ) -> (Vec<StepRows>, Vec<(usize, Vec<i64>)>) {
+        let mut out = Vec::new();
+        let mut reads = Vec::new();
+        for (i, (req_id, first_row, count)) in rows.into_iter().enumerate() {
+            let state = match self.live.get_mut(req_id) {
+                Some(state) => state,
+                None => self.live.entry(req_id.to_owned()).or_default(),
+            };
+            let start = state.next_pos;
+            if let Some(slots) = state.read.take() {
+                reads.push((i, slots));
+                state.delivered = state.delivered.max(start);
+            }
+            let drop = state.delivered.saturating_sub(start).min(count);
+            out.push(StepRows {
+                first_row,
+                count,
+                drop,
+            });
+            state.next_pos = start + count;
+            state.delivered = state.delivered.max(state.next_pos);
+        }
+        (out, reads)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fresh_hit_reads_its_prefix_once_then_gets_each_steps_rows() {
+        let mut d = Deliveries::new(4);
+        assert!(d.schedule("a", &[7, 2, 5], 8).unwrap());
+        let (rows, reads) = d.take_step([("a", 0, 3)]);
+        assert_eq!(reads, vec![(0, vec![28, 29, 30, 31, 8, 9, 10, 11])]);
+        assert_eq!(
+            rows,
+            vec![StepRows {
+                first_row: 0,
+                count: 3,
+                drop: 0
+            }]
+        );
+        let (rows, reads) = d.take_step([("b", 0, 2), ("a", 2, 1)]);
+        assert!(reads.is_empty(), "the hit span is read once");
+        assert_eq!(
+            rows[1],
+            StepRows {
+                first_row: 2,
+                count: 1,
+                drop: 0
+            }
+        );
+        assert!(d.is_live("b"), "a request saved unscheduled becomes live");
+    }
+
+    #[test]
+    fn a_resumed_request_gets_neither_a_row_twice_nor_a_gap() {
+        let mut d = Deliveries::new(4);
+        d.schedule("a", &[0, 1, 2], 0).unwrap();
+        d.take_step([("a", 0, 10)]); // delivered [0, 10)
+                                     // Preempted, resumed from position 4: rows 4..10 are recomputed but not returned again.
+        assert!(
+            !d.schedule("a", &[3, 4, 5], 4).unwrap(),
+            "nothing undelivered below 4"
+        );
+        let (rows, _) = d.take_step([("a", 0, 8)]);
+        assert_eq!(
+            rows,
+            vec![StepRows {
+                first_row: 0,
+                count: 8,
+                drop: 6
+            }]
+        );
+        // Resumed past what it was given (12 computed, 12 delivered by now): nothing to read;
+        // resumed at 16 of 12 delivered: positions 12..16 come from the pool.
+        assert!(d.schedule("a", &[3, 4, 5, 6], 16).unwrap());
+        let (rows, reads) = d.take_step([("a", 0, 1)]);
+        assert_eq!(reads, vec![(0, vec![24, 25, 26, 27])]);
+        assert_eq!(rows[0].drop, 0);
+    }
+
+    #[test]
+    fn a_span_past_the_table_is_refused_and_changes_nothing() {
+        let mut d = Deliveries::new(4);
+        assert!(d.schedule("a", &[0], 5).is_err());
+        assert!(!d.is_live("a"));
+        assert!(!d.finish("a") && d.is_empty());
+    }
+}

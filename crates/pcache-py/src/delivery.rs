@@ -1,0 +1,218 @@
+//! `Deliveries`: the live requests' delivered spans (`pcache_core::delivery`), with a step's
+//! events checked and registered in one call (`begin`) and a save's rows taken in another
+//! (`take_step`). Engine thread only: `PrefixCache.begin_step` and `PrefixCache.save`.
+
+use std::collections::HashSet;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict, PyString, PyTuple, PyType};
+
+use crate::block_table::checked_table;
+use crate::convert::int_array;
+use crate::errors::{invalid_input, IntoPy};
+
+/// One checked new or resumed request of a step's events.
+struct Scheduled {
+    req_id: String,
+    blocks: Vec<i64>,
+    num_computed: usize,
+}
+
+/// What `begin` returns: `(hits, misses, reentered)`.
+type Begun = (usize, usize, Vec<String>);
+
+/// The repr of a Python value, for an error message.
+fn shown(value: &Bound<'_, PyAny>) -> String {
+    value.repr().map(|r| r.to_string()).unwrap_or_default()
+}
+
+/// A request id: a `str`; else `InvalidInputError("{what} holds request ids (str), got ...")`.
+fn req_id_of(value: &Bound<'_, PyAny>, what: &str) -> PyResult<String> {
+    match value.cast::<PyString>() {
+        Ok(s) => s.to_str().map(str::to_owned),
+        Err(_) => Err(invalid_input(format!(
+            "{what} holds request ids (str), got {}",
+            shown(value)
+        ))),
+    }
+}
+
+/// The live requests' delivered spans, keyed by request id (see `pcache_core::delivery`).
+#[pyclass(module = "omni_pcache._native")]
+pub struct Deliveries {
+    inner: pcache_core::delivery::Deliveries,
+    block_size: u32,
+}
+
+impl Deliveries {
+    /// Checks one new or resumed request (nothing changes here).
+    fn check_request(
+        &self,
+        kind: &str,
+        req: &Bound<'_, PyAny>,
+        ending: &HashSet<String>,
+        num_blocks: u32,
+    ) -> PyResult<Scheduled> {
+        let py_id = req.getattr(pyo3::intern!(req.py(), "req_id"))?;
+        let what = format!("StepEvents.{kind} (its req_id)");
+        let req_id = req_id_of(&py_id, &what)?;
+        let id = shown(&py_id);
+        let computed = req.getattr(pyo3::intern!(req.py(), "num_computed_tokens"))?;
+        let num_computed = if computed.is_instance_of::<PyBool>() {
+            None
+        } else {
+            computed.extract::<i64>().ok().filter(|&c| c >= 0)
+        }
+        .ok_or_else(|| {
+            invalid_input(format!(
+                "{id}: num_computed_tokens must be an int >= 0, got {}",
+                shown(&computed)
+            ))
+        })? as usize;
+        let blocks = checked_table(
+            &req.getattr(pyo3::intern!(req.py(), "block_ids"))?,
+            num_blocks,
+        )
+        .map_err(|err| {
+            let why = err
+                .value(req.py())
+                .str()
+                .map(|s| s.to_string())
+                .unwrap_or_default();
+            invalid_input(format!("{id}: {why}"))
+        })?;
+        let bs = self.block_size as usize;
+        if num_computed > blocks.len() * bs {
+            return Err(invalid_input(format!(
+                "{id}: num_computed_tokens={num_computed} exceeds its {} blocks of {bs}",
+                blocks.len()
+            )));
+        }
+        let hit = ending.contains(&req_id) || !self.inner.is_live(&req_id);
+        if hit && num_computed % bs != 0 {
+            return Err(invalid_input(format!(
+                "{id}: num_computed_tokens={num_computed} is not a whole number of blocks \
+                 (block_size={bs}); prefix hits are whole blocks"
+            )));
+        }
+        Ok(Scheduled {
+            req_id,
+            blocks,
+            num_computed,
+        })
+    }
+}
+
+#[pymethods]
+impl Deliveries {
+    #[new]
+    fn new(block_size: u32) -> Self {
+        Self {
+            inner: pcache_core::delivery::Deliveries::new(block_size),
+            block_size,
+        }
+    }
+
+    /// Whether the request is live.
+    fn is_live(&self, req_id: &str) -> bool {
+        self.inner.is_live(req_id)
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    /// Checks a step's events, then registers them: the `finished` ids are forgotten, then each
+    /// `new` and `resumed` request (instances of `new_type` and `resumed_type`) is scheduled
+    /// with its block table. A request that is not live (or finishes in these events) with
+    /// `num_computed_tokens > 0` is a prefix hit and must cover whole blocks; a live one may
+    /// have computed any count. Returns `(hits, misses, reentered)`: the new hits and misses,
+    /// and the live requests scheduled again (resumed, or continued as new), in event order.
+    /// Raises `InvalidInputError` for the first problem, having changed nothing.
+    #[allow(clippy::too_many_arguments)] // (the events' parts, and the two request types)
+    fn begin(
+        &mut self,
+        finished: &Bound<'_, PyAny>,
+        new: &Bound<'_, PyAny>,
+        resumed: &Bound<'_, PyAny>,
+        new_type: &Bound<'_, PyType>,
+        resumed_type: &Bound<'_, PyType>,
+        num_blocks: u32,
+    ) -> PyResult<Begun> {
+        let finished = finished
+            .try_iter()?
+            .map(|id| req_id_of(&id?, "StepEvents.finished"))
+            .collect::<PyResult<Vec<_>>>()?;
+        let ending: HashSet<String> = finished.iter().cloned().collect();
+        let mut scheduled = Vec::new();
+        let mut seen = HashSet::new();
+        for (kind, requests, cls) in [("new", new, new_type), ("resumed", resumed, resumed_type)] {
+            for req in requests.try_iter()? {
+                let req = req?;
+                if !req.is_instance(cls)? {
+                    return Err(invalid_input(format!(
+                        "StepEvents.{kind} holds {}s, got {}",
+                        cls.name()?,
+                        req.get_type().name()?
+                    )));
+                }
+                let checked = self.check_request(kind, &req, &ending, num_blocks)?;
+                if !seen.insert(checked.req_id.clone()) {
+                    return Err(invalid_input(format!(
+                        "request {} is scheduled twice in one step's events",
+                        shown(&req.getattr(pyo3::intern!(req.py(), "req_id"))?)
+                    )));
+                }
+                scheduled.push(checked);
+            }
+        }
+        for req_id in &finished {
+            self.inner.finish(req_id);
+        }
+        let (mut hits, mut misses, mut reentered) = (0, 0, Vec::new());
+        for req in scheduled {
+            if self.inner.is_live(&req.req_id) {
+                reentered.push(req.req_id.clone());
+            } else if req.num_computed > 0 {
+                hits += 1;
+            } else {
+                misses += 1;
+            }
+            // (cannot be refused: the span was checked against the table above)
+            self.inner
+                .schedule(&req.req_id, &req.blocks, req.num_computed)
+                .py_err()?;
+        }
+        Ok((hits, misses, reentered))
+    }
+
+    /// A save of each request's `{req_id: (first_row, count)}` rows (`check_batch`'s, in batch
+    /// order). Returns `{req_id: (first_row, count, drop)}` (``drop``: leading rows already
+    /// delivered, not to be returned again) and the pool reads due now, `{req_id: slots}`.
+    fn take_step<'py>(
+        &mut self,
+        rows: &Bound<'py, PyDict>,
+    ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyDict>)> {
+        let py = rows.py();
+        let mut keys = Vec::with_capacity(rows.len());
+        let mut spans = Vec::with_capacity(rows.len());
+        for (req_id, span) in rows.iter() {
+            let (first_row, count): (usize, usize) = span.extract()?;
+            spans.push((req_id_of(&req_id, "StepBatch.req_ids")?, first_row, count));
+            keys.push(req_id);
+        }
+        let (out, reads) = self
+            .inner
+            .take_step(spans.iter().map(|(r, f, c)| (r.as_str(), *f, *c)));
+        let by_req = PyDict::new(py);
+        for (key, step) in keys.iter().zip(out) {
+            let span = PyTuple::new(py, [step.first_row, step.count, step.drop])?;
+            by_req.set_item(key, span)?;
+        }
+        let due = PyDict::new(py);
+        for (i, slots) in reads {
+            due.set_item(&keys[i], int_array(py, slots))?;
+        }
+        Ok((by_req, due))
+    }
+}
