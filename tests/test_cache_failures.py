@@ -150,3 +150,48 @@ def test_a_failure_while_save_is_between_its_claims_and_its_queueing_raises_the_
         with pytest.raises(WriteFailedError, match=r"the committer thread failed: RuntimeError\('pool write failed'\)"):
             save_one(cache)
         assert cache.stats().staging_holders == [[], [], []]
+
+
+def test_a_save_that_cannot_make_room_for_a_new_key_raises_and_the_next_save_tries_again() -> None:
+    # Pool storage for a key is made at the first save that shows it; if that fails, the save
+    # raises having held nothing, and the next save makes the room (it is not remembered as made).
+    with small_cache() as cache:
+        ensure, calls = cache._pool.ensure, []
+
+        def fail_once(spec):
+            calls.append(spec.name)
+            if len(calls) == 1:
+                raise MemoryError("injected: no host memory")
+            ensure(spec)
+
+        cache._pool.ensure = fail_once
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        with pytest.raises(MemoryError, match="injected"):
+            save_one(cache)
+        assert cache.stats().steps_outstanding == [] and cache.stats().tasks_live == 0
+        out = cache.materialize(save_one(cache), ["a"])
+        assert torch.equal(out.hidden["a"], torch.ones(2, 2))
+        assert calls == ["hidden", "hidden"]
+        cache.materialize(save_one(cache, first_slot=2), ["a"])
+        assert calls == ["hidden", "hidden"], "room made once the key set is known"
+
+
+def test_a_write_by_save_refused_midway_in_its_native_call_is_sticky_and_releases_everything() -> None:
+    # Two requests, the step written by save itself: its second task is failed just before the
+    # native call, which moves the first to COPYING and then refuses the second. The failure is
+    # sticky and names the step; every page is released and both tasks end FAILED.
+    with small_cache(staging_depth=2, claim_timeout_s=5.0) as cache:
+        write = cache._writer.write_step_now
+
+        def second_task_failed_first(page, keys, task_ids, offsets):
+            cache._tasks.fail(task_ids[1])
+            write(page, keys, task_ids, offsets)
+
+        cache._writer.write_step_now = second_task_failed_first
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0]), NewRequest("b", [1])]))
+        sid = cache.save(torch.ones(4, 2), {}, StepBatch(["a", "b"], [2, 2], np.array([0, 1, 16, 17])))
+        with pytest.raises(WriteFailedError, match=rf"write task#0 \(request 'a', step {sid}\) failed: TaskStateError"):
+            cache.materialize(sid, ["a", "b"])
+        stats = cache.stats()
+        assert stats.staging_holders == [[], []], "every staging page released"
+        assert sorted(cache._tasks.states()) == [(0, "FAILED"), (1, "FAILED")]

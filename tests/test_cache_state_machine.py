@@ -77,7 +77,7 @@ class SavedStep:
 
 class CacheMachine(RuleBasedStateMachine):
     THREADED = False
-    INLINE_WRITE_BYTES = 0  # (threaded only) steps under this many bytes are written inside save
+    INLINE_WRITE_BYTES = 0  # (threaded only) steps under this many bytes are written by save itself
     RESUME = False  # preempt and resume running requests
     DEFERRED = False  # cache a deferred key "codes" too, under a tight device budget
 

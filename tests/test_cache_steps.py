@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -109,10 +110,8 @@ def test_oversized_step_and_foreign_request_ids_raise_and_change_nothing() -> No
     [
         (StepBatch(["a", "b"], [2], np.arange(2)), "2 req_ids but 1 num_scheduled_tokens"),
         (StepBatch(["a", "a"], [1, 1], np.arange(2)), "req_ids has duplicates"),
-        (
-            StepBatch(["a", 5], [1, 1], np.arange(2)),
-            r"StepBatch.req_ids holds request ids \(str\), got 5 at position 1",
-        ),
+        (StepBatch(["a", 5], [1, 1], np.arange(2)), r"req_ids holds request ids \(str, valid UTF-8\), got 5 at"),
+        (StepBatch(["\ud800"], [2], np.arange(2)), r"req_ids holds request ids \(str, valid UTF-8\), got '\\ud800'"),
         (StepBatch(["a"], [-1], np.arange(2)), "num_scheduled_tokens of 'a' must be an int >= 0"),
         (StepBatch(["a"], [2], np.arange(1)), "slot_mapping has 1 entries for 2 scheduled tokens"),
         (StepBatch(["a"], [2], np.array([0, 64])), r"slot_mapping: slot id 64 at position 1 is out of range \[0, 64\)"),
@@ -193,8 +192,9 @@ def test_a_batch_of_one_shot_iterables_is_read_once() -> None:
         (StepEvents(new=[NewRequest("a", [0]), NewRequest("a", [1])]), "'a' is scheduled twice in one step"),
         (StepEvents(new=["a"]), "StepEvents.new holds NewRequests, got str"),
         (StepEvents(resumed=[NewRequest("a", [0])]), "StepEvents.resumed holds ResumedRequests, got NewRequest"),
-        (StepEvents(finished=["b", 5]), r"StepEvents.finished holds request ids \(str\), got 5"),
-        (StepEvents(new=[NewRequest(7, [0])]), r"StepEvents.new \(its req_id\) holds request ids \(str\), got 7"),
+        (StepEvents(finished=["b", 5]), r"StepEvents.finished holds request ids \(str, valid UTF-8\), got 5"),
+        (StepEvents(new=[NewRequest(7, [0])]), r"StepEvents.new \(its req_id\) holds request ids \(str, valid UTF-8\)"),
+        (StepEvents(new=[NewRequest("\udc80", [0])]), r"StepEvents.new \(its req_id\) holds .* got '\\udc80'"),
         (StepEvents(new=[NewRequest("a", [0], True)]), "'a': num_computed_tokens must be an int >= 0, got True"),
         (StepEvents(resumed=[ResumedRequest("a", [0], -4)]), "'a': num_computed_tokens must be an int >= 0, got -4"),
         (StepEvents(new=[NewRequest("a", [0], 4.0)]), "'a': num_computed_tokens must be an int >= 0, got 4.0"),
@@ -204,13 +204,15 @@ def test_a_batch_of_one_shot_iterables_is_read_once() -> None:
 )
 def test_bad_events_raise_and_change_nothing(events, message) -> None:
     with small_cache() as cache:
-        with pytest.raises(InvalidInputError, match=message):
-            cache.begin_step(events)
-        assert (cache.stats().hits, cache.stats().misses) == (0, 0)
-        # "b" was registered by no refused call: arriving with 4 tokens computed, it is a new hit
-        # (a live request's count would be its own progress, not a hit)
-        cache.begin_step(StepEvents(new=[NewRequest("b", [1], np.int64(4))]))
-        assert (cache.stats().hits, cache.stats().misses) == (1, 0)
+        cache.begin_step(StepEvents(new=[NewRequest("z", [2])]))  # a live request (a miss)
+        cache.discard(save_one(cache, "z", first_slot=8))
+        with pytest.raises(InvalidInputError, match=message):  # (the events also finish "z")
+            cache.begin_step(dataclasses.replace(events, finished=[*events.finished, "z"]))
+        assert (cache.stats().hits, cache.stats().misses) == (0, 1)
+        # "b" was registered by no refused call: arriving with 4 tokens computed, it is a new hit;
+        # "z" was not finished: it is continued (4 tokens of its own progress), not a hit
+        cache.begin_step(StepEvents(new=[NewRequest("b", [1], np.int64(4)), NewRequest("z", [2], 4)]))
+        assert (cache.stats().hits, cache.stats().misses) == (1, 1)
         cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
         cache.discard(save_one(cache))
 

@@ -42,7 +42,7 @@ from omni_pcache.errors import (
     WriteTimeoutError,
 )
 from omni_pcache.events import NewRequest, ResumedRequest, StepBatch, StepEvents, StepOutputs
-from omni_pcache.keys import KeyRegistry, KeySpec
+from omni_pcache.keys import KeyRegistry, KeySpec, StepKeys
 from omni_pcache.outputs import OutputBuilder, StepRecord
 from omni_pcache.pages import StagingPages
 from omni_pcache.pool import HostPool
@@ -175,15 +175,16 @@ class PrefixCache:
         self._check_usable()
         if not isinstance(events, StepEvents):
             raise InvalidInputError(f"begin_step takes StepEvents, got {type(events).__name__}")
-        hits, misses, reentered = self._delivery.begin(
-            events.finished, events.new, events.resumed, NewRequest, ResumedRequest, self._config.num_blocks
-        )
-        self._copies.fence()
+        self._copies.fence()  # (before the events register: a fence that raises leaves them unseen)
         self._reap_completions()
+        finished = events.finished if type(events.finished) in (list, tuple) else list(events.finished)
+        hits, misses, reentered = self._delivery.begin(
+            finished, events.new, events.resumed, NewRequest, ResumedRequest, self._config.num_blocks
+        )
         flushed = 0
         try:
             if self._open_writes or self._deferred.open:
-                for req_id in events.finished:
+                for req_id in finished:
                     for write in self._open_writes.values():
                         task_id = write.task_of(req_id)
                         # Not forgotten yet (`_reap_completions` drops it from the native table; the
@@ -220,13 +221,8 @@ class PrefixCache:
             self._deferred.check_fits(
                 {name: cached[name][0].row_bytes * shape.n for name in deferred_names & cached.keys()}
             )
-        specs = [spec for spec, _ in cached.values()]
-        immediate = [spec for spec in specs if spec.name not in deferred_names]
-        deferred = [spec for spec in specs if spec.name in deferred_names]
-        for spec in specs:
-            self._pool.ensure(spec)
-            if spec.name not in deferred_names:
-                self._pages.ensure(spec)
+        keys = self._keys.step_keys(cached, self._make_room)  # (the same key set every step: one lookup)
+        specs, immediate, deferred = keys.specs, keys.immediate, keys.deferred
         step_id, page = self._steps.issue()
         try:
             copy = self._copies.start()
@@ -250,8 +246,9 @@ class PrefixCache:
             raise
         # A small all-CPU step is written here, before its hits are planned, while the committer
         # is idle: its tasks are never queued and no record of them is kept (see `_write_step_now`).
-        now = self._write_here(shape.n, immediate, deferred, sources, handle) and self._committer.hold_writer()
+        now = False
         try:
+            now = self._write_here(shape.n, keys, sources, handle) and self._committer.hold_writer()
             try:
                 task_ids, from_pool, from_deferred = self._claim_rows(
                     step_id, page, shape, immediate, deferred, handle, clones, queued=not now
@@ -273,8 +270,7 @@ class PrefixCache:
             hits: dict[str, HitRead] = {req: self._reader.plan(req, read, specs) for req, read in reads.items()}
             self._steps.records[step_id] = StepRecord(
                 step_id, page, handle, shape.n, shape.n_padded, rows, list(cached), hits, kept_leftover, clones,
-                sources, staged, threading.get_ident(), self._copies.epoch,
-                max((s.row_bytes for s in specs), default=0),
+                sources, staged, threading.get_ident(), self._copies.epoch, keys.max_row_bytes,
             )  # fmt: skip
         if now:
             return step_id
@@ -285,14 +281,21 @@ class PrefixCache:
         self._committer.notify(len(task_ids))
         return step_id
 
-    def _write_here(self, n: int, immediate: list, deferred: list, sources: dict, handle: CopyHandle) -> bool:
+    def _make_room(self, keys: StepKeys) -> None:
+        """Pool storage for every key of a new key set, and staging room for its immediate ones."""
+        for spec in keys.specs:
+            self._pool.ensure(spec)
+        for spec in keys.immediate:
+            self._pages.ensure(spec)
+
+    def _write_here(self, n: int, keys: StepKeys, sources: dict, handle: CopyHandle) -> bool:
         """Whether save may write its step to the pool itself: a small step whose rows all came
         from CPU tensors and are already copied, without deferred keys (see
         `CacheConfig.inline_write_bytes`)."""
         return (
-            not deferred
-            and len(sources) == len(immediate)
-            and n * sum(spec.row_bytes for spec in immediate) < self._config.inline_write_bytes
+            not keys.deferred
+            and len(sources) == len(keys.immediate)
+            and n * keys.immediate_row_bytes < self._config.inline_write_bytes
             and handle.done()
         )
 

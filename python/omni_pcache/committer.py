@@ -4,9 +4,9 @@ It pops write tasks from the native copy queues (escalated first, then high, the
 hands what is queued, in pop order, to a write function as one batch. Popping and writing
 happen under one write lock, so the pool has one writer at a time: `hold_writer` lets the
 engine thread write a small step itself while the committer is idle (no queueing, no wake-up,
-no GIL contention); when the committer is writing, the step is queued for it instead. ``threaded=False`` runs the
-same loop inline, on the caller's thread, until the queues are empty (debugging; the engine
-thread then pays for every pool write).
+no GIL contention); when the committer is writing, the step is queued for it instead.
+``threaded=False`` runs the committer's loop inline, on the caller's thread, until the queues
+are empty, for every step (debugging; the engine thread then pays for every pool write).
 
 A batch that raises is reported to ``on_failure`` with its first task (which makes the cache's
 failure sticky and releases everything); the committer then keeps draining so every queued
@@ -84,8 +84,9 @@ class Committer:
     def hold_writer(self) -> bool:
         """Takes the pool writer's lock if nobody is writing (engine thread, for a small step
         it writes itself without queueing it: `PrefixCache.save`); the caller must call
-        `release_writer` after. False when the committer is writing."""
-        return self._writing.acquire(blocking=False)
+        `release_writer` after. False when the committer is writing, and always in inline mode
+        (``threaded=False``), where every write goes through the committer's own loop."""
+        return self._threaded and self._writing.acquire(blocking=False)
 
     def release_writer(self) -> None:
         self._writing.release()

@@ -11,6 +11,7 @@ Engine thread only (called from `PrefixCache.save`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,20 @@ class KeySpec:
         return f"{self.name!r} rows {tuple(self.row_shape)} {str(self.dtype).removeprefix('torch.')}"
 
 
+@dataclass(frozen=True, slots=True)
+class StepKeys:
+    """A step's cached keys as save uses them: all of them (in classification order), the
+    immediate ones (staged and written with the step) and the deferred ones, with the
+    immediate rows' total width and the widest row. Made once per key set
+    (`KeyRegistry.step_keys`); every step with the same keys shares it."""
+
+    specs: tuple[KeySpec, ...]
+    immediate: tuple[KeySpec, ...]
+    deferred: tuple[KeySpec, ...]
+    immediate_row_bytes: int  # bytes of one row of every immediate key
+    max_row_bytes: int  # the widest row of any key (0 without keys)
+
+
 def _what(name: str) -> str:
     """How an error message names a key."""
     return "hidden states" if name == HIDDEN else f"mm key {name!r}"
@@ -58,6 +73,7 @@ class KeyRegistry:
         self._add_key = add_key
         self._specs: dict[str, KeySpec] = {}
         self._leftover: set[str] = set()
+        self._step_keys: dict[tuple[str, ...], StepKeys] = {}
 
     @property
     def specs(self) -> dict[str, KeySpec]:
@@ -119,3 +135,25 @@ class KeyRegistry:
         if token_keys is None and n > 0:
             self._leftover.update(k for k in leftover if k not in self._specs)
         return {name: (self._spec_for(name, t), t) for name, t in cached.items()}, leftover
+
+    def step_keys(self, cached: dict[str, tuple[KeySpec, Any]], prepare: Callable[[StepKeys], None]) -> StepKeys:
+        """The `StepKeys` of a step's cached keys (`classify`'s first result). A key set seen
+        for the first time is handed to ``prepare`` (which gives its keys pool and staging room)
+        and remembered only once that returns: a ``prepare`` that raised runs again next step."""
+        names = tuple(cached)
+        keys = self._step_keys.get(names)
+        if keys is not None:
+            return keys
+        specs = tuple(spec for spec, _ in cached.values())
+        deferred_names = self._policy.deferred_keys
+        immediate = tuple(spec for spec in specs if spec.name not in deferred_names)
+        keys = StepKeys(
+            specs,
+            immediate,
+            tuple(spec for spec in specs if spec.name in deferred_names),
+            sum(spec.row_bytes for spec in immediate),
+            max((spec.row_bytes for spec in specs), default=0),
+        )
+        prepare(keys)
+        self._step_keys[names] = keys
+        return keys

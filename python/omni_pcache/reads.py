@@ -1,7 +1,8 @@
 """Hit reads: a request's cached prefix rows, planned at save and served at materialize.
 
 A hit is planned in the ledger at save, after this step's claims, so a request that hits
-blocks another request computes in the same step sees that request's task as the source.
+blocks another request computes in the same step sees that request's task as the source (or
+the pool, when save wrote its small step itself before planning: `PrefixCache.save`).
 Serving follows a seqlock: wait for in-flight source tasks, read the pool rows, then ask the
 ledger which slots moved since the plan; moved rows come from the copy-on-write store. A
 row that was never written, or moved with no preserved copy, raises `UnservableHitError`:

@@ -59,14 +59,13 @@ pub fn check_batch<'py>(
     num_slots: u32,
 ) -> PyResult<Option<Checked<'py>>> {
     let reqs = PyList::new(py, req_ids.try_iter()?.collect::<PyResult<Vec<_>>>()?)?;
-    if let Some((i, req)) = reqs
-        .iter()
-        .enumerate()
-        .find(|(_, r)| !r.is_instance_of::<PyString>())
-    {
+    // (a str that is not valid UTF-8, a lone surrogate, is refused too: the delivery table
+    // keys requests by their UTF-8 text)
+    let is_id = |r: &Bound<'_, PyAny>| r.cast::<PyString>().is_ok_and(|s| s.to_str().is_ok());
+    if let Some((i, req)) = reqs.iter().enumerate().find(|(_, r)| !is_id(r)) {
         let got = req.repr().map(|r| r.to_string()).unwrap_or_default();
         return Err(invalid_input(format!(
-            "StepBatch.req_ids holds request ids (str), got {got} at position {i}"
+            "StepBatch.req_ids holds request ids (str, valid UTF-8), got {got} at position {i}"
         )));
     }
     let raw_counts = counts.try_iter()?.collect::<PyResult<Vec<_>>>()?;

@@ -26,12 +26,13 @@ fn shown(value: &Bound<'_, PyAny>) -> String {
     value.repr().map(|r| r.to_string()).unwrap_or_default()
 }
 
-/// A request id: a `str`; else `InvalidInputError("{what} holds request ids (str), got ...")`.
+/// A request id: a `str` that is valid UTF-8 (not a lone surrogate); else
+/// `InvalidInputError("{what} holds request ids (str, valid UTF-8), got ...")`.
 fn req_id_of(value: &Bound<'_, PyAny>, what: &str) -> PyResult<String> {
-    match value.cast::<PyString>() {
-        Ok(s) => s.to_str().map(str::to_owned),
-        Err(_) => Err(invalid_input(format!(
-            "{what} holds request ids (str), got {}",
+    match value.cast::<PyString>().map(|s| s.to_str()) {
+        Ok(Ok(text)) => Ok(text.to_owned()),
+        _ => Err(invalid_input(format!(
+            "{what} holds request ids (str, valid UTF-8), got {}",
             shown(value)
         ))),
     }
