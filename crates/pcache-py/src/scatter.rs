@@ -88,13 +88,24 @@ pub fn close_step_writes(
     page: usize,
     task_ids: Vec<u64>,
 ) -> PyResult<usize> {
+    let committed = close_run(ledger.get(), staging.get(), page, &task_ids)?;
+    tasks.get().complete_all(&task_ids)?;
+    Ok(committed)
+}
+
+/// A run of WRITTEN tasks committed and their holds on staging page `page` dropped, stopping
+/// at the first refusal; returns the slots committed.
+fn close_run(
+    ledger: &Ledger,
+    staging: &StagingSlots,
+    page: usize,
+    task_ids: &[u64],
+) -> PyResult<usize> {
     let owners: Vec<TaskId> = task_ids.iter().copied().map(TaskId).collect();
-    let committed = ledger.get().lock().commit_many(&owners).py_err()?;
-    let staging = staging.get();
+    let committed = ledger.lock().commit_many(&owners).py_err()?;
     for &task in &owners {
         staging.release_for(page, Holder::Task(task))?;
     }
-    tasks.get().complete_all(&task_ids)?;
     Ok(committed)
 }
 
@@ -196,16 +207,49 @@ pub fn write_step_rows(
     offsets: Vec<i64>,
     keys: Vec<KeyRows<'_>>,
 ) -> PyResult<Vec<usize>> {
-    // Every key checked and its arrays borrowed before anything changes.
-    let plans = keys
-        .iter()
-        .map(|key| plan_key("write_step_rows", ledger.get(), &task_ids, &offsets, key))
-        .collect::<PyResult<Vec<_>>>()?;
-    let tasks = tasks.get();
-    tasks.copy_done_all(&task_ids)?;
-    let written = copy_planned_rows(py, "write_step_rows", plans, true)?;
-    tasks.written_all(&task_ids)?;
-    Ok(written)
+    let run = RowsRun {
+        what: "write_step_rows",
+        task_ids: &task_ids,
+        offsets: &offsets,
+        keys: &keys,
+    };
+    run.write(py, tasks.get(), ledger.get(), false)
+}
+
+/// One call's write of a run of a step's tasks: its name (for errors), the tasks, each one's
+/// first page row, and the keys' pages and pools.
+struct RowsRun<'a, 'py> {
+    what: &'static str,
+    task_ids: &'a [u64],
+    offsets: &'a [i64],
+    keys: &'a [KeyRows<'py>],
+}
+
+impl RowsRun<'_, '_> {
+    /// Checks every key and borrows its arrays before anything changes; then the tasks go
+    /// (PENDING → QUEUED →, with `start_now`) COPYING → HOST_READY, the owned rows are copied
+    /// (without the GIL unless `start_now`: a small step written by its saver keeps it), and
+    /// the tasks go WRITTEN. Returns the rows copied per key.
+    fn write(
+        &self,
+        py: Python<'_>,
+        tasks: &WriteTasks,
+        ledger: &Ledger,
+        start_now: bool,
+    ) -> PyResult<Vec<usize>> {
+        let plans = self
+            .keys
+            .iter()
+            .map(|key| plan_key(self.what, ledger, self.task_ids, self.offsets, key))
+            .collect::<PyResult<Vec<_>>>()?;
+        if start_now {
+            tasks.start_copy_now_all(self.task_ids)?;
+        }
+        tasks.copy_done_all(self.task_ids)?;
+        let written = copy_planned_rows(py, self.what, plans, !start_now)?;
+        tasks.written_all(self.task_ids)?;
+        Ok(written)
+    }
 }
 
 /// Copies each planned key's owned rows from the page into the pool, without the GIL when
@@ -265,21 +309,15 @@ pub fn write_step_now(
     offsets: Vec<i64>,
     keys: Vec<KeyRows<'_>>,
 ) -> PyResult<Vec<usize>> {
-    let plans = keys
-        .iter()
-        .map(|key| plan_key("write_step_now", ledger.get(), &task_ids, &offsets, key))
-        .collect::<PyResult<Vec<_>>>()?;
-    let tasks = tasks.get();
-    tasks.start_copy_now_all(&task_ids)?;
-    tasks.copy_done_all(&task_ids)?;
-    let written = copy_planned_rows(py, "write_step_now", plans, false)?;
-    tasks.written_all(&task_ids)?;
-    let owners: Vec<TaskId> = task_ids.iter().copied().map(TaskId).collect();
-    ledger.get().lock().commit_many(&owners).py_err()?;
-    let staging = staging.get();
-    for &task in &owners {
-        staging.release_for(page, Holder::Task(task))?;
-    }
+    let run = RowsRun {
+        what: "write_step_now",
+        task_ids: &task_ids,
+        offsets: &offsets,
+        keys: &keys,
+    };
+    let (tasks, ledger) = (tasks.get(), ledger.get());
+    let written = run.write(py, tasks, ledger, true)?;
+    close_run(ledger, staging.get(), page, &task_ids)?;
     tasks.forget_all(&task_ids)?;
     Ok(written)
 }
