@@ -4,7 +4,8 @@ When a claim reuses a slot that a pending read captured, the ledger reports it; 
 registers an *obligation* here under the ledger lock (atomically with the claim) and fills it
 outside the lock: from the pool at once (the old row is committed and nobody overwrites it
 before the new task is queued, or written by save itself, which fills these first), or from
-the old task's staging rows when that task writes (it was still in transit). A reader that finds a moved slot waits for its entry.
+the old task's staging rows when that task writes (it was still in transit). A reader that
+finds a moved slot waits for its entry.
 
 Entries are keyed ``(key, slot, version)`` and dropped once every step that could hold a
 read of them is consumed (a read planned at step s can only need entries created by claims
