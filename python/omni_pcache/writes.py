@@ -212,12 +212,9 @@ class PoolWriter:
         """A run of one step's tasks (COPYING) written into the pool (WRITTEN, not committed),
         in one native call: their transitions, the rows they still own and one page → pool copy
         per run of slots, without the GIL (`_native.write_step_rows`)."""
-        keys = [spec for spec in record.keys if spec.row_bytes]  # (rows of no bytes move nothing)
-        pages, page, pool = record.pages, record.page, self._pool
-        targets = [(spec.key_id, pages.page_bytes(spec.name, page), pool.byte_rows(spec.name)) for spec in keys]
+        keys, targets = self._targets(record.keys, record.page)
         written = write_step_rows(self._tasks, self._ledger, task_ids, record.offsets(task_ids), targets)
-        for spec, rows in zip(keys, written, strict=True):
-            self.bytes_written[spec.name] = self.bytes_written.get(spec.name, 0) + rows * spec.row_bytes
+        self._count_written(keys, written)
 
     def write_step_now(self, page: int, keys: list[KeySpec], task_ids: list[int], offsets: list[int]) -> None:
         """A small step's new (PENDING) tasks written whole by the thread that saved it, which
@@ -226,12 +223,20 @@ class PoolWriter:
         released and forgotten, in one native call (`_native.write_step_now`), under the ledger
         lock (atomic with the commit, as `write_batch`'s closing is; the copy is small). No
         record of them is kept: nothing waits on them, and no read was planned on them yet."""
-        keys = [spec for spec in keys if spec.row_bytes]  # (rows of no bytes move nothing)
-        pages, pool = self._pages, self._pool
-        targets = [(spec.key_id, pages.page_bytes(spec.name, page), pool.byte_rows(spec.name)) for spec in keys]
+        keys, targets = self._targets(keys, page)
         with self._cond:
             written = write_step_now(self._tasks, self._ledger, self._staging, page, task_ids, offsets, targets)
-        for spec, rows in zip(keys, written, strict=True):
+        self._count_written(keys, written)
+
+    def _targets(self, keys, page: int) -> tuple[list[KeySpec], list[tuple]]:
+        """The keys with bytes (rows of none move nothing) and, per key, ``(key id, staging page
+        bytes, pool bytes)``: what the native step writes take."""
+        keys = [spec for spec in keys if spec.row_bytes]
+        pages, pool = self._pages, self._pool
+        return keys, [(spec.key_id, pages.page_bytes(spec.name, page), pool.byte_rows(spec.name)) for spec in keys]
+
+    def _count_written(self, keys: list[KeySpec], rows_per_key: list[int]) -> None:
+        for spec, rows in zip(keys, rows_per_key, strict=True):
             self.bytes_written[spec.name] = self.bytes_written.get(spec.name, 0) + rows * spec.row_bytes
 
     def _scatter_deferred(self, spec: KeySpec, record, task_ids: list[int]) -> None:
@@ -241,4 +246,4 @@ class PoolWriter:
         if slot_ids.size == 0:
             return
         self._pool.write(spec.name, slot_ids, record.rows(spec, torch.from_numpy(at)))
-        self.bytes_written[spec.name] = self.bytes_written.get(spec.name, 0) + slot_ids.size * spec.row_bytes
+        self._count_written([spec], [slot_ids.size])

@@ -55,6 +55,11 @@ impl Deliveries {
         }
     }
 
+    /// Positions per block of the tables this tracker reads.
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
     /// Whether `req_id` is live: scheduled or saved and not finished since.
     pub fn is_live(&self, req_id: &str) -> bool {
         self.live.contains_key(req_id)

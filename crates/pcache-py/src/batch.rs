@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyInt, PyList, PyString, PyTuple};
 
 use crate::convert::int_array;
-use crate::errors::invalid_input;
+use crate::errors::{invalid_input, repr_of};
 
 /// What `check_batch` returns: `(n, slots, rows, claim_req_ids, claim_starts, claim_counts)`.
 type Checked<'py> = (
@@ -27,8 +27,8 @@ fn count_of(value: &Bound<'_, PyAny>, req_id: &Bound<'_, PyAny>) -> PyResult<usi
         value.extract::<i64>().ok().filter(|&c| c >= 0)
     };
     count.map(|c| c as usize).ok_or_else(|| {
-        let req = req_id.repr().map(|r| r.to_string()).unwrap_or_default();
-        let got = value.repr().map(|r| r.to_string()).unwrap_or_default();
+        let req = repr_of(req_id);
+        let got = repr_of(value);
         // (an int, or a numpy integer through `__index__`, too large for 64 bits)
         let index = value.call_method0("__index__").ok().filter(|_| !is_bool);
         let huge = index.is_some_and(|i| i.is_instance_of::<PyInt>() && i.gt(0).unwrap_or(false));
@@ -63,7 +63,7 @@ pub fn check_batch<'py>(
     // keys requests by their UTF-8 text)
     let is_id = |r: &Bound<'_, PyAny>| r.cast::<PyString>().is_ok_and(|s| s.to_str().is_ok());
     if let Some((i, req)) = reqs.iter().enumerate().find(|(_, r)| !is_id(r)) {
-        let got = req.repr().map(|r| r.to_string()).unwrap_or_default();
+        let got = repr_of(&req);
         return Err(invalid_input(format!(
             "StepBatch.req_ids holds request ids (str, valid UTF-8), got {got} at position {i}"
         )));

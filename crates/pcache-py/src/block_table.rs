@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyList, PyTuple};
 
 use crate::convert::{int_array, IndexSlice, Indices};
-use crate::errors::{invalid_input, IntoPy};
+use crate::errors::{invalid_input, repr_of, IntoPy};
 
 /// One block id of a list or tuple: an int (or numpy integer), never a bool.
 fn block_id(item: &Bound<'_, PyAny>, position: usize) -> PyResult<i64> {
@@ -17,7 +17,7 @@ fn block_id(item: &Bound<'_, PyAny>, position: usize) -> PyResult<i64> {
         )));
     }
     item.extract::<i64>().map_err(|_| {
-        let shown = item.repr().map(|r| r.to_string()).unwrap_or_default();
+        let shown = repr_of(item);
         invalid_input(format!(
             "block_ids must be a list of ints, got {shown} at position {position}"
         ))

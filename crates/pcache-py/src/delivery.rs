@@ -9,7 +9,7 @@ use pyo3::types::{PyBool, PyDict, PyString, PyTuple, PyType};
 
 use crate::block_table::checked_table;
 use crate::convert::int_array;
-use crate::errors::{invalid_input, IntoPy};
+use crate::errors::{invalid_input, repr_of, IntoPy};
 
 /// One checked new or resumed request of a step's events.
 struct Scheduled {
@@ -21,11 +21,6 @@ struct Scheduled {
 /// What `begin` returns: `(hits, misses, reentered)`.
 type Begun = (usize, usize, Vec<String>);
 
-/// The repr of a Python value, for an error message.
-fn shown(value: &Bound<'_, PyAny>) -> String {
-    value.repr().map(|r| r.to_string()).unwrap_or_default()
-}
-
 /// A request id: a `str` that is valid UTF-8 (not a lone surrogate); else
 /// `InvalidInputError("{what} holds request ids (str, valid UTF-8), got ...")`.
 fn req_id_of(value: &Bound<'_, PyAny>, what: &str) -> PyResult<String> {
@@ -33,7 +28,7 @@ fn req_id_of(value: &Bound<'_, PyAny>, what: &str) -> PyResult<String> {
         Ok(Ok(text)) => Ok(text.to_owned()),
         _ => Err(invalid_input(format!(
             "{what} holds request ids (str, valid UTF-8), got {}",
-            shown(value)
+            repr_of(value)
         ))),
     }
 }
@@ -42,7 +37,6 @@ fn req_id_of(value: &Bound<'_, PyAny>, what: &str) -> PyResult<String> {
 #[pyclass(module = "omni_pcache._native")]
 pub struct Deliveries {
     inner: pcache_core::delivery::Deliveries,
-    block_size: u32,
 }
 
 impl Deliveries {
@@ -57,7 +51,7 @@ impl Deliveries {
         let py_id = req.getattr(pyo3::intern!(req.py(), "req_id"))?;
         let what = format!("StepEvents.{kind} (its req_id)");
         let req_id = req_id_of(&py_id, &what)?;
-        let id = shown(&py_id);
+        let id = || repr_of(&py_id); // (built only for an error message)
         let computed = req.getattr(pyo3::intern!(req.py(), "num_computed_tokens"))?;
         let num_computed = if computed.is_instance_of::<PyBool>() {
             None
@@ -66,8 +60,9 @@ impl Deliveries {
         }
         .ok_or_else(|| {
             invalid_input(format!(
-                "{id}: num_computed_tokens must be an int >= 0, got {}",
-                shown(&computed)
+                "{}: num_computed_tokens must be an int >= 0, got {}",
+                id(),
+                repr_of(&computed)
             ))
         })? as usize;
         let blocks = checked_table(
@@ -80,20 +75,22 @@ impl Deliveries {
                 .str()
                 .map(|s| s.to_string())
                 .unwrap_or_default();
-            invalid_input(format!("{id}: {why}"))
+            invalid_input(format!("{}: {why}", id()))
         })?;
-        let bs = self.block_size as usize;
+        let bs = self.inner.block_size() as usize;
         if num_computed > blocks.len() * bs {
             return Err(invalid_input(format!(
-                "{id}: num_computed_tokens={num_computed} exceeds its {} blocks of {bs}",
+                "{}: num_computed_tokens={num_computed} exceeds its {} blocks of {bs}",
+                id(),
                 blocks.len()
             )));
         }
         let hit = ending.contains(&req_id) || !self.inner.is_live(&req_id);
         if hit && num_computed % bs != 0 {
             return Err(invalid_input(format!(
-                "{id}: num_computed_tokens={num_computed} is not a whole number of blocks \
-                 (block_size={bs}); prefix hits are whole blocks"
+                "{}: num_computed_tokens={num_computed} is not a whole number of blocks \
+                 (block_size={bs}); prefix hits are whole blocks",
+                id()
             )));
         }
         Ok(Scheduled {
@@ -110,7 +107,6 @@ impl Deliveries {
     fn new(block_size: u32) -> Self {
         Self {
             inner: pcache_core::delivery::Deliveries::new(block_size),
-            block_size,
         }
     }
 
@@ -161,7 +157,7 @@ impl Deliveries {
                 if !seen.insert(checked.req_id.clone()) {
                     return Err(invalid_input(format!(
                         "request {} is scheduled twice in one step's events",
-                        shown(&req.getattr(pyo3::intern!(req.py(), "req_id"))?)
+                        repr_of(&req.getattr(pyo3::intern!(req.py(), "req_id"))?)
                     )));
                 }
                 scheduled.push(checked);

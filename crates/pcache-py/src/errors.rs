@@ -117,3 +117,8 @@ pub fn to_pyerr(err: Error) -> PyErr {
 pub fn invalid_input(message: String) -> PyErr {
     raise("InvalidInputError", message, vec![])
 }
+
+/// The repr of a Python value, for an error message (empty if the repr itself raises).
+pub fn repr_of(value: &Bound<'_, PyAny>) -> String {
+    value.repr().map(|r| r.to_string()).unwrap_or_default()
+}
