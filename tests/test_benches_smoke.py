@@ -81,7 +81,7 @@ def test_engine(tmp_path: Path) -> None:
     rows = {r["workload"]: r for r in doc["results"]}
     assert set(rows) == {"random", "chat", "fewshot"}
     assert rows["random"]["on"]["hit_tokens"] == 0
-    assert {"off", "on", "kv_only", "wall_change_on_vs_off"} <= set(rows["random"])
+    assert {"off", "on", "kv_only", "wall_change_on_vs_off", "wall_change_on_vs_off_paired"} <= set(rows["random"])
     for name in ("chat", "fewshot"):
         assert rows[name]["on"]["hit_tokens"] > 0
         assert rows[name]["on"]["tokens_computed"] < rows[name]["off"]["tokens_computed"]
