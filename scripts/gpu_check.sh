@@ -4,8 +4,11 @@
 # over OMNI_PCACHE_CUDA_SEEDS seeds per scenario among them), then the copy check and
 # the GPU benchmark, then (time-boxed) the rest of the default suite with CUDA present, where
 # host buffers are pinned. Build the wheel first with `just gpu-wheels` (into dist/gpu).
-# A failing step does not stop the later ones; the exit status says whether any failed.
-# Where $OUT is set (the device tool), the log and the result files this run wrote are copied there.
+# A failing step does not stop the later ones; the exit status says whether any failed. Every
+# step is time-boxed (SIGINT first, so pytest still prints its summary), and a stale wheel
+# (Python sources that differ from this tree's) stops the run before it measures old code.
+# Where $OUT is set (the device tool), the log is written there as it goes and each result
+# file this run wrote is copied there as soon as its step ends (a run cut short keeps them).
 #
 # The GPU image's python3 lives in a virtual environment that already holds torch, numpy,
 # pytest, pytest-timeout, hypothesis and rich; a venv made from it would not see them, so the
@@ -15,30 +18,55 @@ cd "$(dirname "$0")/.."
 out=${OUT:-}
 failed=0
 started=$(mktemp)  # results written after this are this run's (the committed ones are older)
-step() {
-    echo "=== $* ($(date +%T))"
-    "$@" || { echo "=== FAILED (rc $?): $*"; failed=1; }
+step() {  # step SECONDS command...: runs it time-boxed; rc 124 is reported as the box reached
+    local box=$1
+    shift
+    echo "=== $* ($(date +%T), box ${box} s)"
+    timeout -s INT -k 10 "$box" "$@"
+    local rc=$?
+    if [ "$rc" = 124 ]; then
+        echo "=== TIME BOX REACHED (${box} s): $*"
+    elif [ "$rc" != 0 ]; then
+        echo "=== FAILED (rc $rc): $*"
+        failed=1
+    fi
+    keep
+}
+keep() {  # copies the result files written since the start to $OUT (the device tool's folder)
+    [ -z "$out" ] || find benches/results -maxdepth 1 -name '*.json' -newer "$started" -exec cp {} "$out/" \;
 }
 {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/omni-site \
         dist/gpu/omni_pcache-*.whl || exit 1
     export PYTHONPATH=/tmp/omni-site PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
-    python3 -c 'import omni_pcache, torch; print("omni_pcache", omni_pcache.__file__, "torch", torch.__version__, "cuda", torch.cuda.is_available())'
-    # The cuda tests, and the differential harness with the engine's outputs in CUDA buffers.
-    OMNI_PCACHE_CUDA_SEEDS=${OMNI_PCACHE_CUDA_SEEDS:-8} step python3 -m pytest -q -m cuda -p no:cacheprovider \
-        tests/test_cuda.py tests/test_engine_differential.py
-    step python3 benches/copy_check.py
-    step python3 benches/gpu.py
-    # GPU_CHECK_SUITE_S=0 skips this step.
-    [ "${GPU_CHECK_SUITE_S:-150}" = 0 ] || step timeout "${GPU_CHECK_SUITE_S:-150}" python3 -m pytest -q -m "not slow and not cuda" -p no:cacheprovider \
+    # The wheel must hold this tree's Python sources (a wheel built before the last change would
+    # test and measure old code): `just gpu-wheels` right before carrying dist/gpu.
+    diff -rq -x '*.so' -x __pycache__ python/omni_pcache /tmp/omni-site/omni_pcache \
+        || { echo "=== STALE WHEEL: rebuild it with 'just gpu-wheels' and carry dist/gpu again"; exit 1; }
+    python3 -c '
+import importlib, omni_pcache, torch
+versions = []
+for name in ("numpy", "pytest", "pytest_timeout", "hypothesis", "rich"):
+    try:
+        versions.append(name + " " + str(getattr(importlib.import_module(name), "__version__", "?")))
+    except ImportError:
+        versions.append(name + " MISSING")
+print("omni_pcache", omni_pcache.__file__, "torch", torch.__version__, "cuda", torch.cuda.is_available(), "|", ", ".join(versions))
+' || { echo "=== omni_pcache does not import: nothing else can run"; exit 1; }
+    # The cuda tests, and the differential harness with the engine's outputs in CUDA buffers
+    # (--timeout-method=thread: a test stuck in a CUDA synchronize cannot take a signal).
+    OMNI_PCACHE_CUDA_SEEDS=${OMNI_PCACHE_CUDA_SEEDS:-8} step 300 python3 -m pytest -q -m cuda -p no:cacheprovider \
+        --timeout 90 --timeout-method=thread tests/test_cuda.py tests/test_engine_differential.py
+    step 240 python3 benches/copy_check.py
+    step 240 python3 benches/gpu.py
+    # GPU_CHECK_SUITE_S=0 skips this step (348 tests took ~2 min on the last H200 host's pace).
+    [ "${GPU_CHECK_SUITE_S:-240}" = 0 ] || step "${GPU_CHECK_SUITE_S:-240}" python3 -m pytest -q -m "not slow and not cuda" -p no:cacheprovider \
         --timeout 60 tests/ --ignore=tests/test_vllm_real.py --ignore=tests/test_vllm_omni_smoke.py
     echo "=== done ($(date +%T)), failed=$failed"
     exit $failed
 } 2>&1 | tee ${out:+"$out/gpu_check.log"}
 rc=${PIPESTATUS[0]}
-if [ -n "$out" ]; then
-    find benches/results -maxdepth 1 -name '*.json' -newer "$started" -exec cp {} "$out/" \;
-fi
+keep
 rm -f "$started"
 exit "$rc"
