@@ -396,6 +396,8 @@ def gather_in_loop_reference(
     side = Ours(num_blocks, capacity)
     kept = None
     times = []
+    gc.collect()
+    gc.disable()  # (as in run_side)
     try:
         side.materialize(side.step(warm, *rows.step(warm)), warm)
         for st in steps:
@@ -413,6 +415,7 @@ def gather_in_loop_reference(
             kept = outs  # noqa: F841 (held until the next step's gather is done, as run_side keeps its outputs)
             side.cache.discard(sid)
     finally:
+        gc.enable()
         side.close()
     nbytes = sum(o.numel() * o.element_size() for o in outs)
     return statistics.median(times[warmup + 2 :]), nbytes
