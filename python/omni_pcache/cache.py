@@ -482,6 +482,8 @@ class PrefixCache:
         not consumed).
         """
         self._check_usable()
+        if isinstance(req_ids, str | bytes):  # (a str is iterable: its characters would be read as ids)
+            raise InvalidInputError(f"req_ids must be a sequence of request ids, got the single {req_ids!r}")
         req_ids = list(req_ids)  # (an iterator would be spent by the check below)
         record = self._steps.take(step_id, req_ids)
         try:

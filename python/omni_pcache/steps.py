@@ -102,7 +102,13 @@ class StepPages:
             raise InvalidInputError(f"step_id must be an int, got {step_id!r}")
         record = self.records.get(step_id)
         if record is not None and req_ids is not None:
-            missing = [r for r in req_ids if r not in record.rows]
+            try:
+                missing = [r for r in req_ids if r not in record.rows]
+            except TypeError:  # an unhashable id (a list, a dict, ...)
+                unhashable = [r for r in req_ids if getattr(type(r), "__hash__", None) is None]
+                raise InvalidInputError(
+                    f"req_ids holds request ids (str), got {unhashable[0]!r}; nothing was consumed"
+                ) from None
             if missing:
                 raise InvalidInputError(
                     f"requests {missing} were not in step {step_id}; its requests: {list(record.rows)}"
