@@ -478,8 +478,9 @@ class PrefixCache:
         (one per chunk of `outputs.OUTPUT_CHUNK_BYTES`); every returned tensor is the caller's
         to keep or write. Raises
         `UnservableHitError` for rows that cannot be served, `StepIdError` for a consumed or
-        unknown id, `InvalidInputError` for a request that was not in the step (the id is then
-        not consumed).
+        unknown id, `InvalidInputError` for a request that was not in the step, or for
+        ``req_ids`` that is a single str or holds an unhashable id (the step id is then not
+        consumed).
         """
         self._check_usable()
         if isinstance(req_ids, str | bytes):  # (a str is iterable: its characters would be read as ids)
