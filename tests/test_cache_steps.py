@@ -110,7 +110,7 @@ def test_materialize_refuses_a_bare_str_and_unhashable_ids_and_consumes_nothing(
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2])]))
         sid = save_one(cache, n=8)
         # A str is iterable; its characters ("a") must not be read as the request ids.
-        with pytest.raises(InvalidInputError, match=r"req_ids must be a sequence of request ids, got the single"):
+        with pytest.raises(InvalidInputError, match=r"req_ids must be a sequence, got the single 'a'"):
             cache.materialize(sid, "a")
         with pytest.raises(InvalidInputError, match=r"req_ids holds request ids \(str\), got \['a'\]"):
             cache.materialize(sid, [["a"]])
@@ -142,6 +142,10 @@ def test_materialize_refuses_a_bare_str_and_unhashable_ids_and_consumes_nothing(
             r"slot_mapping must be a 1-D integer array, got int64 \(2, 2\)",
         ),
         (StepBatch(["a"], [2], np.array([64, 1], dtype=np.uint16)), r"slot_mapping: slot id 64 at position 0"),
+        # a str is iterable, but its characters are not the batch's request ids
+        (StepBatch("ab", [1, 1], np.arange(2)), "StepBatch.req_ids must be a sequence, got the single 'ab'"),
+        (StepBatch(None, [2], np.arange(2)), "StepBatch.req_ids must be a sequence, got NoneType"),
+        (StepBatch(["a"], None, np.arange(2)), "StepBatch.num_scheduled_tokens must be a sequence, got NoneType"),
     ],
 )
 def test_bad_batches_raise_and_the_cache_stays_usable(batch, message) -> None:
@@ -230,6 +234,57 @@ def test_bad_events_raise_and_change_nothing(events, message) -> None:
         assert (cache.stats().hits, cache.stats().misses) == (1, 1)
         cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
         cache.discard(save_one(cache))
+
+
+@pytest.mark.parametrize(
+    ("events", "message"),
+    [
+        (StepEvents(finished="za"), "StepEvents.finished must be a sequence, got the single 'za'"),
+        (StepEvents(finished=None), "StepEvents.finished must be a sequence, got NoneType"),
+        (StepEvents(new=None), "StepEvents.new must be a sequence, got NoneType"),
+        (StepEvents(resumed=5), "StepEvents.resumed must be a sequence, got int"),
+    ],
+)
+def test_events_that_are_not_sequences_raise_and_change_nothing(events, message) -> None:
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("z", [2])]))  # a live request (a miss)
+        cache.discard(save_one(cache, "z", first_slot=8))
+        with pytest.raises(InvalidInputError, match=message):
+            cache.begin_step(events)
+        # "z" was not finished (not even by the str "za" read as ids "z" and "a"): continued,
+        # neither a hit nor a miss
+        cache.begin_step(StepEvents(new=[NewRequest("z", [2], 2)]))
+        assert (cache.stats().hits, cache.stats().misses) == (0, 1)
+
+
+@pytest.mark.parametrize("step_id", [-1, 2**64, 2**70])
+def test_step_ids_out_of_range_are_never_issued_ones(step_id) -> None:
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        sid = save_one(cache)
+        for call in (lambda: cache.materialize(step_id, ["a"]), lambda: cache.discard(step_id)):
+            with pytest.raises(StepIdError, match=rf"step#{step_id} was never issued; outstanding step ids: \[{sid}\]"):
+                call()
+        cache.discard(sid)
+
+
+@pytest.mark.parametrize("timeout_s", [-1, float("nan"), float("inf"), "1", True])
+def test_flush_refuses_a_timeout_that_is_not_a_finite_number(timeout_s) -> None:
+    with small_cache() as cache:
+        with pytest.raises(InvalidInputError, match="flush timeout_s must be None or a finite number"):
+            cache.flush(timeout_s)
+        cache.flush(0)  # (nothing queued: returns at once)
+
+
+def test_rows_that_require_grad_or_have_no_data() -> None:
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        rows = torch.ones(2, 2, requires_grad=True)  # (a model run outside inference mode)
+        out = cache.materialize(cache.save(rows, {}, StepBatch(["a"], [2], np.arange(2))), ["a"])
+        assert torch.equal(out.hidden["a"], torch.ones(2, 2)) and not out.hidden["a"].requires_grad
+        with pytest.raises(InvalidInputError, match="hidden states is a meta tensor: it has no rows to cache"):
+            cache.save(torch.ones(2, 2, device="meta"), {}, StepBatch(["a"], [2], np.arange(2, 4)))
+        assert cache.stats().steps_outstanding == []
 
 
 def test_bad_hidden_raises() -> None:

@@ -51,7 +51,7 @@ from omni_pcache.reads import HitRead, HitReader
 from omni_pcache.snapshot import snapshot
 from omni_pcache.stats import CacheStats, Counters
 from omni_pcache.steps import StepPages
-from omni_pcache.validation import check_batch
+from omni_pcache.validation import as_list, check_batch
 from omni_pcache.writes import PoolWriter, StepWrite, batch_groups
 
 
@@ -128,7 +128,16 @@ class PrefixCache:
     def flush(self, timeout_s: float | None = None) -> None:
         """Waits until every queued write has reached the pool (any thread but the committer).
         Deferred rows of live requests stay on the device until those requests finish.
-        Raises `WriteFailedError` if a write failed, `WriteTimeoutError` on timeout."""
+        Raises `WriteFailedError` if a write failed, `WriteTimeoutError` on timeout, and
+        `InvalidInputError` for a ``timeout_s`` that is not a finite number >= 0."""
+        if timeout_s is not None and (
+            isinstance(timeout_s, bool)
+            or not isinstance(timeout_s, int | float)
+            or not 0 <= timeout_s <= threading.TIMEOUT_MAX  # (NaN fails both)
+        ):
+            raise InvalidInputError(
+                f"flush timeout_s must be None or a finite number of seconds >= 0, got {timeout_s!r}"
+            )
         timeout = self._config.claim_timeout_s if timeout_s is None else timeout_s
         with self._cond:
             open_ids = {t for t, r in self._records.items() if not r.is_done(t) and not (r.deferred and not r.flushed)}
@@ -177,9 +186,15 @@ class PrefixCache:
             raise InvalidInputError(f"begin_step takes StepEvents, got {type(events).__name__}")
         self._copies.fence()  # (before the events register: a fence that raises leaves them unseen)
         self._reap_completions()
-        finished = events.finished if type(events.finished) in (list, tuple) else list(events.finished)
+        finished, new, resumed = events.finished, events.new, events.resumed
+        if type(finished) is not tuple:  # (read once: a one-shot iterator would be spent by the first pass)
+            finished = as_list(finished, "StepEvents.finished")
+        if type(new) not in (list, tuple):
+            new = as_list(new, "StepEvents.new")
+        if type(resumed) not in (list, tuple):
+            resumed = as_list(resumed, "StepEvents.resumed")
         hits, misses, reentered = self._delivery.begin(
-            finished, events.new, events.resumed, NewRequest, ResumedRequest, self._config.num_blocks
+            finished, new, resumed, NewRequest, ResumedRequest, self._config.num_blocks
         )
         flushed = 0
         try:
@@ -479,13 +494,11 @@ class PrefixCache:
         to keep or write. Raises
         `UnservableHitError` for rows that cannot be served, `StepIdError` for a consumed or
         unknown id, `InvalidInputError` for a request that was not in the step, or for
-        ``req_ids`` that is a single str or holds an unhashable id (the step id is then not
-        consumed).
+        ``req_ids`` that is not a sequence of ids (a single str, ``None``) or holds an unhashable
+        id (the step id is then not consumed).
         """
         self._check_usable()
-        if isinstance(req_ids, str | bytes):  # (a str is iterable: its characters would be read as ids)
-            raise InvalidInputError(f"req_ids must be a sequence of request ids, got the single {req_ids!r}")
-        req_ids = list(req_ids)  # (an iterator would be spent by the check below)
+        req_ids = list(as_list(req_ids, "req_ids"))  # (a copy: an iterator would be spent by the check below)
         record = self._steps.take(step_id, req_ids)
         try:
             return self._outputs.build(record, req_ids)

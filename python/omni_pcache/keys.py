@@ -83,6 +83,8 @@ class KeyRegistry:
     def _check(self, name: str, value: Any, n: int, n_padded: int, spec: KeySpec | None) -> None:
         if not isinstance(value, torch.Tensor):
             raise InvalidInputError(f"{_what(name)} must be a tensor, got {type(value).__name__}")
+        if value.is_meta:
+            raise InvalidInputError(f"{_what(name)} is a meta tensor: it has no rows to cache")
         if value.dim() < 1 or value.shape[0] not in (n, n_padded):
             raise InvalidInputError(
                 f"{_what(name)} has shape {tuple(value.shape)}; dim 0 must be the step's token count "
@@ -134,7 +136,10 @@ class KeyRegistry:
                 leftover[name] = value
         if token_keys is None and n > 0:
             self._leftover.update(k for k in leftover if k not in self._specs)
-        return {name: (self._spec_for(name, t), t) for name, t in cached.items()}, leftover
+        # (rows that require grad are copied without their graph: the cache keeps values only)
+        return {
+            name: (self._spec_for(name, t), t.detach() if t.requires_grad else t) for name, t in cached.items()
+        }, leftover
 
     def step_keys(self, cached: dict[str, tuple[KeySpec, Any]], prepare: Callable[[StepKeys], None]) -> StepKeys:
         """The `StepKeys` of a step's cached keys (`classify`'s first result). A key set seen

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 from omni_pcache._native import StagingSlots, StepIds
 from omni_pcache.config import CacheConfig
-from omni_pcache.errors import CacheClosedError, InvalidInputError, PrefixCacheError, StagingTimeoutError
+from omni_pcache.errors import CacheClosedError, InvalidInputError, PrefixCacheError, StagingTimeoutError, StepIdError
 from omni_pcache.outputs import StepRecord
 from omni_pcache.preserve import PreservedRows
 from omni_pcache.reads import HitReader
@@ -100,6 +100,8 @@ class StepPages:
         a consumed or unknown id."""
         if isinstance(step_id, bool) or not isinstance(step_id, int):
             raise InvalidInputError(f"step_id must be an int, got {step_id!r}")
+        if not 0 <= step_id < 2**64:  # (no step id is out of u64 range: never issued)
+            raise StepIdError(f"step#{step_id} was never issued; outstanding step ids: {self.ids.outstanding()}")
         record = self.records.get(step_id)
         if record is not None and req_ids is not None:
             try:

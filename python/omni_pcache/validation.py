@@ -29,6 +29,20 @@ class BatchShape:
     claim_counts: list[int]
 
 
+def as_list(value: object, what: str) -> list:
+    """``value`` as a list: a list as it is, a tuple or any other iterable listed. A single str
+    or bytes (iterable, but its characters are not request ids) or a non-iterable raises
+    `InvalidInputError` naming ``what``."""
+    if type(value) is list:
+        return value
+    if isinstance(value, str | bytes):
+        raise InvalidInputError(f"{what} must be a sequence, got the single {value!r}")
+    try:
+        return list(value)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidInputError(f"{what} must be a sequence, got {type(value).__name__}") from None
+
+
 def _int(value: object, what: str, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
         raise InvalidInputError(f"{what} must be an int >= {minimum}, got {value!r}")
@@ -50,10 +64,11 @@ def check_batch(batch: StepBatch, config: CacheConfig) -> BatchShape:
     # and the caller may refill its slot buffer as soon as save returns; vLLM reuses one)
     args = (config.staging_capacity_tokens, config.num_slots)
     req_ids, counts = batch.req_ids, batch.num_scheduled_tokens
-    if type(req_ids) is not list:  # (an iterator would be spent by a second call below)
-        req_ids = list(req_ids)
+    req_ids = as_list(req_ids, "StepBatch.req_ids")  # (an iterator would be spent by a second call below)
     if type(counts) is not list:
-        counts = counts.tolist() if isinstance(counts, np.ndarray) else list(counts)
+        counts = (
+            counts.tolist() if isinstance(counts, np.ndarray) else as_list(counts, "StepBatch.num_scheduled_tokens")
+        )
     checked = native_check_batch(req_ids, counts, mapping, *args)
     if checked is None:  # not an int64/int32 numpy array
         mapping = np.asarray(mapping)
