@@ -185,6 +185,19 @@ def test_hash_bad_input() -> None:
         hash_blocks([1, 2, 3, 4], 2, extra_keys=[None])
     with pytest.raises(InvalidInputError, match="got dtype float32"):
         hash_blocks(np.ones(4, dtype=np.float32), 2)
+    # arguments of the wrong type or range: typed, naming the argument (were TypeError/OverflowError)
+    for size in (-1, "2", True):
+        with pytest.raises(InvalidInputError, match=rf"block_size must be 1 to 16777216 tokens, got {size!r}"):
+            hash_blocks([1, 2], size)
+    for parent in (-1, 2**128, "x"):
+        with pytest.raises(InvalidInputError, match=r"parent must be a block hash \(an int in \[0, 2\*\*128\)\)"):
+            hash_blocks([1, 2], 2, parent=parent)
+    with pytest.raises(InvalidInputError, match="extra_keys must hold one bytes or None per full block"):
+        hash_blocks([1, 2], 2, extra_keys=["a"])
+    with pytest.raises(InvalidInputError, match="extra_keys must be a sequence, got the single b'a'"):
+        hash_blocks([1, 2], 2, extra_keys=b"a")
+    # (an iterator of extra keys is read once, as a list would be)
+    assert hash_blocks([1, 2], 2, extra_keys=iter([b"a"])) == hash_blocks([1, 2], 2, extra_keys=[b"a"])
 
 
 @pytest.mark.parametrize(

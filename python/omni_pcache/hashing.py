@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from omni_pcache._native import block_hashes
+from omni_pcache.validation import as_list
 
 
 def hash_blocks(
@@ -19,9 +20,11 @@ def hash_blocks(
 
     ``parent`` is the hash of the block before the first one (``None`` for a prompt's start);
     ``extra_keys`` holds one ``bytes | None`` per full block. Deterministic across processes,
-    runs and machines. Raises `InvalidInputError` for negative or too-large token ids.
+    runs and machines. Raises `InvalidInputError` for negative or too-large token ids, and for a
+    ``block_size``, ``parent`` or ``extra_keys`` of the wrong type or out of range.
     """
-    halves = block_hashes(token_ids, block_size, parent, None if extra_keys is None else list(extra_keys))
+    keys = None if extra_keys is None else as_list(extra_keys, "extra_keys")  # (an iterator is read once)
+    halves = block_hashes(token_ids, block_size, parent, keys)
     return [int(lo) | (int(hi) << 64) for lo, hi in halves.tolist()]
 
 
