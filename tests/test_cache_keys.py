@@ -12,6 +12,7 @@ import torch
 from cachekit import slots_of, small_cache
 from omni_pcache import (
     CachePolicy,
+    ConfigError,
     InvalidInputError,
     NewRequest,
     StepBatch,
@@ -111,6 +112,22 @@ def test_explicit_token_keys_turn_discovery_off() -> None:
 class Span(NamedTuple):
     bounds: torch.Tensor
     unit: str
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        # a single str is iterable: its characters must not be read as the key names
+        ({"token_keys": "codes"}, "CachePolicy.token_keys must be a collection of key names, got the single 'codes'"),
+        ({"deferred_keys": "codes"}, "CachePolicy.deferred_keys must be a collection of key names, got the single"),
+        ({"token_keys": 5}, "CachePolicy.token_keys must be a collection of key names, got 5"),
+        ({"token_keys": {"codes", 7}}, r"CachePolicy.token_keys holds key names \(str\), got 7"),
+        ({"cache_hidden": "no"}, "CachePolicy.cache_hidden must be a bool, got 'no'"),
+    ],
+)
+def test_a_policy_of_the_wrong_shape_is_refused(kwargs, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        CachePolicy(**kwargs)
 
 
 def test_a_leftover_that_requires_grad_is_snapshotted_out_of_the_graph() -> None:

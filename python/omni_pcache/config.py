@@ -77,6 +77,21 @@ class CacheConfig:
         return self.num_blocks * self.block_size
 
 
+def _key_names(names: object, what: str) -> frozenset[str]:
+    """A policy's set of mm key names: a collection of str (a single str is refused: its
+    characters would be read as the names)."""
+    if isinstance(names, str | bytes):
+        raise ConfigError(f"CachePolicy.{what} must be a collection of key names, got the single {names!r}")
+    try:
+        keys = frozenset(names)  # type: ignore[arg-type]
+    except TypeError:
+        raise ConfigError(f"CachePolicy.{what} must be a collection of key names, got {names!r}") from None
+    bad = sorted(repr(k) for k in keys if not isinstance(k, str))
+    if bad:
+        raise ConfigError(f"CachePolicy.{what} holds key names (str), got {', '.join(bad)}")
+    return keys
+
+
 @dataclass(frozen=True, slots=True)
 class CachePolicy:
     """What one model caches.
@@ -93,11 +108,13 @@ class CachePolicy:
     deferred_keys: frozenset[str] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.cache_hidden, bool):
+            raise ConfigError(f"CachePolicy.cache_hidden must be a bool, got {self.cache_hidden!r}")
         if self.token_keys is not None:
-            object.__setattr__(self, "token_keys", frozenset(self.token_keys))
+            object.__setattr__(self, "token_keys", _key_names(self.token_keys, "token_keys"))
             if HIDDEN in self.token_keys:
                 raise ConfigError(f"{HIDDEN!r} is reserved for hidden states; use cache_hidden")
-        object.__setattr__(self, "deferred_keys", frozenset(self.deferred_keys))
+        object.__setattr__(self, "deferred_keys", _key_names(self.deferred_keys, "deferred_keys"))
         if self.token_keys is not None and not self.deferred_keys <= self.token_keys:
             missing = sorted(self.deferred_keys - self.token_keys)
             raise ConfigError(f"deferred_keys {missing} are not in token_keys")
