@@ -274,6 +274,7 @@ def test_flush_refuses_a_timeout_that_is_not_a_finite_number(timeout_s) -> None:
         with pytest.raises(InvalidInputError, match="flush timeout_s must be None or a finite number"):
             cache.flush(timeout_s)
         cache.flush(0)  # (nothing queued: returns at once)
+        cache.flush(np.float32(0.5))  # (numpy scalars are numbers too)
 
 
 def test_rows_that_require_grad_or_have_no_data() -> None:

@@ -19,6 +19,7 @@ variable.
 
 from __future__ import annotations
 
+import numbers
 import threading
 import time
 import weakref
@@ -132,7 +133,7 @@ class PrefixCache:
         `InvalidInputError` for a ``timeout_s`` that is not a finite number >= 0."""
         if timeout_s is not None and (
             isinstance(timeout_s, bool)
-            or not isinstance(timeout_s, int | float)
+            or not isinstance(timeout_s, numbers.Real)  # (numpy scalars too)
             or not 0 <= timeout_s <= threading.TIMEOUT_MAX  # (NaN fails both)
         ):
             raise InvalidInputError(
