@@ -105,7 +105,7 @@ def test_oversized_step_and_foreign_request_ids_raise_and_change_nothing() -> No
         assert out.hidden["a"].shape == (8, 2)
 
 
-def test_materialize_refuses_a_bare_str_and_unhashable_ids_and_consumes_nothing() -> None:
+def test_materialize_refuses_a_bare_str_unhashable_and_duplicate_ids_and_consumes_nothing() -> None:
     with small_cache() as cache:
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2])]))
         sid = save_one(cache, n=8)
@@ -114,6 +114,8 @@ def test_materialize_refuses_a_bare_str_and_unhashable_ids_and_consumes_nothing(
             cache.materialize(sid, "a")
         with pytest.raises(InvalidInputError, match=r"req_ids holds request ids \(str\), got \['a'\]"):
             cache.materialize(sid, [["a"]])
+        with pytest.raises(InvalidInputError, match=r"req_ids has duplicates: \['a'\]; nothing was consumed"):
+            cache.materialize(sid, ["a", "a"])
         assert cache.stats().steps_outstanding == [sid]  # neither refusal consumed the id
         out = cache.materialize(sid, ["a"])
         assert out.hidden["a"].shape == (8, 2)

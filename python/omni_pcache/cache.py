@@ -495,8 +495,8 @@ class PrefixCache:
         to keep or write. Raises
         `UnservableHitError` for rows that cannot be served, `StepIdError` for a consumed or
         unknown id, `InvalidInputError` for a request that was not in the step, or for
-        ``req_ids`` that is not a sequence of ids (a single str, ``None``) or holds an unhashable
-        id (the step id is then not consumed).
+        ``req_ids`` that is not a sequence of ids (a single str, ``None``), holds an unhashable
+        id or names a request twice (the step id is then not consumed).
         """
         self._check_usable()
         req_ids = list(as_list(req_ids, "req_ids"))  # (a copy: an iterator would be spent by the check below)

@@ -105,12 +105,16 @@ class StepPages:
         record = self.records.get(step_id)
         if record is not None and req_ids is not None:
             try:
-                missing = [r for r in req_ids if r not in record.rows]
+                wanted = set(req_ids)
             except TypeError:  # an unhashable id (a list, a dict, ...)
                 unhashable = [r for r in req_ids if getattr(type(r), "__hash__", None) is None]
                 raise InvalidInputError(
                     f"req_ids holds request ids (str), got {unhashable[0]!r}; nothing was consumed"
                 ) from None
+            if len(wanted) != len(req_ids):  # (each request's rows are returned once, under its id)
+                twice = sorted({r for r in req_ids if req_ids.count(r) > 1}, key=repr)
+                raise InvalidInputError(f"req_ids has duplicates: {twice}; nothing was consumed")
+            missing = [r for r in req_ids if r not in record.rows] if wanted - record.rows.keys() else None
             if missing:
                 raise InvalidInputError(
                     f"requests {missing} were not in step {step_id}; its requests: {list(record.rows)}"
