@@ -348,30 +348,37 @@ def fresh_copy_reference(nbytes: int, repeat: int) -> float:
     return statistics.median(times[1:])
 
 
+def torch_gather(index: torch.Tensor, pools: list[torch.Tensor], own: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The fewest torch calls returning a step's rows, per key: one tensor in new memory, one
+    ``index_select`` of the hits' rows (``index``) from the key's pool, one copy of the step's
+    own rows behind them."""
+    outs = []
+    for pool, rows in zip(pools, own, strict=True):
+        out = torch.empty((index.numel() + rows.shape[0], pool.shape[1]), dtype=pool.dtype)
+        torch.index_select(pool, 0, index, out=out[: index.numel()])
+        out[index.numel() :].copy_(rows)
+        outs.append(out)
+    return outs
+
+
 def gather_reference(
     num_slots: int, width: int, hit_slots: np.ndarray, own_rows: int, repeat: int
 ) -> tuple[float, int]:
-    """Median seconds, and bytes returned, of the fewest torch calls that return the same rows
-    as a measured step's materialize: per key, one tensor in new memory, one ``index_select``
-    of every hit's prefix rows (``hit_slots``, in order) from a pool of the cache's size and
-    one contiguous copy of the step's own rows behind them, the previous result kept alive.
+    """Median seconds, and bytes returned, of `torch_gather` of the same rows as a measured
+    step's materialize (every hit's prefix rows, ``hit_slots`` in order, from pools of the
+    cache's size, and the step's own rows behind them), the previous result kept alive.
     The floor for any implementation gathering rows with torch on this machine (no per-request
     tensors, no bookkeeping, no committer sharing the memory bus)."""
     index = torch.from_numpy(hit_slots)
-    keys = []
+    pools, own = [], []
     for w, dtype in ((width, HIDDEN_DTYPE), (MM_WIDTH, MM_DTYPE)):
-        pool = torch.ones((num_slots, w), dtype=dtype)  # touched, as the cache's pool is once written
-        keys.append((pool, torch.randn(own_rows, w).to(dtype)))
+        pools.append(torch.ones((num_slots, w), dtype=dtype))  # touched, as the cache's pool is once written
+        own.append(torch.randn(own_rows, w).to(dtype))
     kept = None
     times = []
     for _ in range(repeat + 1):
         t0 = time.perf_counter()
-        outs = []
-        for pool, own in keys:
-            out = torch.empty((index.numel() + own_rows, pool.shape[1]), dtype=pool.dtype)
-            torch.index_select(pool, 0, index, out=out[: index.numel()])
-            out[index.numel() :].copy_(own)
-            outs.append(out)
+        outs = torch_gather(index, pools, own)
         times.append(time.perf_counter() - t0)
         kept = outs  # noqa: F841 (held until the next iteration's gather is done)
     nbytes = sum(o.numel() * o.element_size() for o in outs)
@@ -381,8 +388,8 @@ def gather_reference(
 def gather_in_loop_reference(
     num_blocks: int, capacity: int, width: int, warm: Step, steps: list[Step], rows: Rows, warmup: int
 ) -> tuple[float, int]:
-    """Median seconds, and bytes returned, of the same fewest-torch-calls gather as
-    `gather_reference`, run in omni_pcache's own step loop in place of its materialize: each
+    """Median seconds, and bytes returned, of `torch_gather` as in `gather_reference`, run in
+    omni_pcache's own step loop in place of its materialize: each
     measured step is saved by a fresh cache (whose committer writes it meanwhile, as in
     `run_side`), then gathered from a torch pool of the cache's size holding the shared
     prefixes, then discarded. What gathering costs in the step loop on this machine (the
@@ -405,12 +412,7 @@ def gather_in_loop_reference(
             own_rows = rows.step(st)
             sid = side.step(st, *own_rows)
             t0 = time.perf_counter()
-            outs = []
-            for pool, own in zip(pools, own_rows, strict=True):
-                out = torch.empty((index.numel() + own.shape[0], pool.shape[1]), dtype=pool.dtype)
-                torch.index_select(pool, 0, index, out=out[: index.numel()])
-                out[index.numel() :].copy_(own)
-                outs.append(out)
+            outs = torch_gather(index, pools, list(own_rows))
             times.append(time.perf_counter() - t0)
             kept = outs  # noqa: F841 (held until the next step's gather is done, as run_side keeps its outputs)
             side.cache.discard(sid)

@@ -19,7 +19,6 @@ variable.
 
 from __future__ import annotations
 
-import numbers
 import threading
 import time
 import weakref
@@ -52,7 +51,7 @@ from omni_pcache.reads import HitRead, HitReader
 from omni_pcache.snapshot import snapshot
 from omni_pcache.stats import CacheStats, Counters
 from omni_pcache.steps import StepPages
-from omni_pcache.validation import as_list, check_batch
+from omni_pcache.validation import as_list, check_batch, check_timeout
 from omni_pcache.writes import PoolWriter, StepWrite, batch_groups
 
 
@@ -131,14 +130,7 @@ class PrefixCache:
         Deferred rows of live requests stay on the device until those requests finish.
         Raises `WriteFailedError` if a write failed, `WriteTimeoutError` on timeout, and
         `InvalidInputError` for a ``timeout_s`` that is not a finite number >= 0."""
-        if timeout_s is not None and (
-            isinstance(timeout_s, bool)
-            or not isinstance(timeout_s, numbers.Real)  # (numpy scalars too)
-            or not 0 <= timeout_s <= threading.TIMEOUT_MAX  # (NaN fails both)
-        ):
-            raise InvalidInputError(
-                f"flush timeout_s must be None or a finite number of seconds >= 0, got {timeout_s!r}"
-            )
+        check_timeout(timeout_s, "flush timeout_s")
         timeout = self._config.claim_timeout_s if timeout_s is None else timeout_s
         with self._cond:
             open_ids = {t for t, r in self._records.items() if not r.is_done(t) and not (r.deferred and not r.flushed)}
@@ -187,13 +179,10 @@ class PrefixCache:
             raise InvalidInputError(f"begin_step takes StepEvents, got {type(events).__name__}")
         self._copies.fence()  # (before the events register: a fence that raises leaves them unseen)
         self._reap_completions()
-        finished, new, resumed = events.finished, events.new, events.resumed
-        if type(finished) is not tuple:  # (read once: a one-shot iterator would be spent by the first pass)
-            finished = as_list(finished, "StepEvents.finished")
-        if type(new) not in (list, tuple):
-            new = as_list(new, "StepEvents.new")
-        if type(resumed) not in (list, tuple):
-            resumed = as_list(resumed, "StepEvents.resumed")
+        # (each read once into a list: a one-shot iterator of finished ids is read twice below)
+        finished = as_list(events.finished, "StepEvents.finished")
+        new = as_list(events.new, "StepEvents.new")
+        resumed = as_list(events.resumed, "StepEvents.resumed")
         hits, misses, reentered = self._delivery.begin(
             finished, new, resumed, NewRequest, ResumedRequest, self._config.num_blocks
         )
@@ -499,7 +488,7 @@ class PrefixCache:
         id or names a request twice (the step id is then not consumed).
         """
         self._check_usable()
-        req_ids = list(as_list(req_ids, "req_ids"))  # (a copy: an iterator would be spent by the check below)
+        req_ids = as_list(req_ids, "req_ids")  # (an iterator would be spent by the check below)
         record = self._steps.take(step_id, req_ids)
         try:
             return self._outputs.build(record, req_ids)

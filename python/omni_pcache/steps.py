@@ -114,8 +114,9 @@ class StepPages:
             if len(wanted) != len(req_ids):  # (each request's rows are returned once, under its id)
                 twice = sorted({r for r in req_ids if req_ids.count(r) > 1}, key=repr)
                 raise InvalidInputError(f"req_ids has duplicates: {twice}; nothing was consumed")
-            missing = [r for r in req_ids if r not in record.rows] if wanted - record.rows.keys() else None
-            if missing:
+            unknown = wanted - record.rows.keys()
+            if unknown:
+                missing = [r for r in req_ids if r in unknown]  # (in the caller's order)
                 raise InvalidInputError(
                     f"requests {missing} were not in step {step_id}; its requests: {list(record.rows)}"
                 )

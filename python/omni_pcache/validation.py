@@ -4,6 +4,8 @@ checked by the native `Deliveries.begin`, with the same contract)."""
 
 from __future__ import annotations
 
+import numbers
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +43,17 @@ def as_list(value: object, what: str) -> list:
         return list(value)  # type: ignore[call-overload]
     except TypeError:
         raise InvalidInputError(f"{what} must be a sequence, got {type(value).__name__}") from None
+
+
+def check_timeout(timeout_s: object, what: str) -> None:
+    """Refuses a timeout that is not ``None`` or a finite real number of seconds >= 0 (numpy
+    scalars included; bools, NaN and infinity refused) with `InvalidInputError`."""
+    if timeout_s is not None and (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, numbers.Real)
+        or not 0 <= timeout_s <= threading.TIMEOUT_MAX  # (NaN fails both)
+    ):
+        raise InvalidInputError(f"{what} must be None or a finite number of seconds >= 0, got {timeout_s!r}")
 
 
 def _int(value: object, what: str, minimum: int = 0) -> int:
