@@ -199,6 +199,10 @@ REFUSED = {
         {"parallel_config": v.ParallelConfig(decode_context_parallel_size=2)},
         "decode_context_parallel_size",
     ),
+    "kv-sharing-fast-prefill": (
+        {"cache_config": v.CacheConfig(block_size=16, kv_sharing_fast_prefill=True)},
+        "kv_sharing_fast_prefill=False",
+    ),
     "sub-block-prefix-match": (
         {"cache_config": v.CacheConfig(block_size=16, prefix_match_unit=4)},
         "prefix_match_unit",

@@ -174,6 +174,10 @@ REFUSED = {
         "prefix_match_unit",
     ),
     "kernel-block-size": (lambda: {"kernel_block_sizes": [8]}, "block_size"),
+    "kv-sharing-fast-prefill": (
+        lambda: {"cache_config": CacheConfig(block_size=16, kv_sharing_fast_prefill=True)},
+        "kv_sharing_fast_prefill=False",
+    ),
 }
 
 

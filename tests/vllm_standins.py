@@ -138,6 +138,7 @@ class CacheConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     prefix_match_unit: int | None = None
+    kv_sharing_fast_prefill: bool = False
 
 
 @dataclass

@@ -30,6 +30,11 @@ REFUSALS: dict[str, str] = {
         "draft tokens are computed and then partly rejected; rows saved for rejected positions would be "
         "served as if they were the sequence's"
     ),
+    "fast_prefill": (
+        "with KV-sharing fast prefill (YOCO models such as Gemma3n) the last layers run only for the rows that "
+        "are sampled from, so a prompt row's output depends on where its step's chunk ended: a row saved in one "
+        "request's step differs from what another request's cache-off run computes at that position"
+    ),
     "kv_groups": (
         "the cache mirrors one full-attention block table; with several KV-cache groups (hybrid models) or "
         "sliding-window/Mamba groups, blocks are dropped or reused while a prefix still hits"
@@ -127,6 +132,13 @@ def cache_config_from_vllm(
             f"speculative decoding (speculative_config, method={method!r})",
             "drop speculative_config (no --speculative-config), or enable_prefix_caching=False",
             "speculative",
+        )
+
+    if getattr(cache_config, "kv_sharing_fast_prefill", False) is True:
+        raise _refuse(
+            "KV-sharing fast prefill (cache_config.kv_sharing_fast_prefill=True)",
+            "cache_config.kv_sharing_fast_prefill=False (no --kv-sharing-fast-prefill), or enable_prefix_caching=False",
+            "fast_prefill",
         )
 
     groups = list(getattr(kv_cache_config, "kv_cache_groups", ()))
