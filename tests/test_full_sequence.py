@@ -61,7 +61,7 @@ def test_deferred_rows_are_served_from_the_clone_then_flushed_at_finish() -> Non
         step = save(cache, [("b", [0, 2], 4, 2, 2)], new=[NewRequest("b", [0, 2], 4)])
         check(cache.materialize(step, ["b"]), "b", (1, 0, 4), (2, 4, 2))
         cache.flush()
-        assert cache.stats().bytes_written.get("codes", 0) == 0, "deferred rows wait for their request"
+        assert cache.stats().bytes_written["codes"] == 0, "deferred rows wait for their request (listed at 0)"
         step = save(cache, [("c", [6], 0, 1, 3)], new=[NewRequest("c", [6])], finished=["a", "x", "b"])
         cache.discard(step)
         cache.flush()

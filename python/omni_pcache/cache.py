@@ -290,6 +290,7 @@ class PrefixCache:
         """Pool storage for every key of a new key set, and staging room for its immediate ones."""
         for spec in keys.specs:
             self._pool.ensure(spec)
+            self._writer.bytes_written.setdefault(spec.name, 0)  # (listed from the start, 0 until written)
         for spec in keys.immediate:
             self._pages.ensure(spec)
 

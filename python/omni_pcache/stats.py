@@ -14,7 +14,11 @@ class CacheStats:
     hits are split by where they came from: the pool, a write still in flight when the hit
     was planned (served after waiting for it), or a copy preserved when the block was reused.
     ``num_waits``/``wait_time_s`` cover every blocking wait (free staging page, in-flight
-    write, preserved copy). ``staging_holders`` lists who holds each staging page now.
+    write, preserved copy). ``bytes_written`` has every cached key the cache has seen (the
+    hidden states as ``"hidden"``), with the bytes written to its pool so far (0 until its
+    first write; a deferred key's are written when its request finishes). ``pool_bytes`` and
+    ``staging_bytes`` are the host memory held per key. ``staging_holders`` lists who holds
+    each staging page now.
     """
 
     hits: int = 0
