@@ -52,6 +52,7 @@ bench: setup develop
     .venv-bench/bin/python benches/step_overhead.py
     python benches/hashing.py
     python benches/engine.py
+    python benches/cold_floor.py
 
 # Only the Python benchmark of the cache's engine-thread cost (benches/results/save_overhead.json).
 bench-py: setup develop

@@ -88,6 +88,15 @@ def test_engine(tmp_path: Path) -> None:
         assert {"wall_change_on_vs_off", "tokens_saved_fraction"} <= set(rows[name])
 
 
+def test_cold_floor(tmp_path: Path) -> None:
+    doc = run_bench("cold_floor", tmp_path / "c.json")
+    assert [r["forward_ms"] for r in doc["results"]] == [5.0, 0.0]
+    for row in doc["results"]:
+        for variant in ("cache", "fewest_torch_calls", "views_only"):
+            assert row[variant]["us_per_step"] > 0
+        assert row["cache_over_fewest"] > 0
+
+
 def test_gpu_bench_without_cuda_exits_zero(tmp_path: Path) -> None:
     if __import__("torch").cuda.is_available():
         pytest.skip("has CUDA: `just gpu-check` runs the real bench")
