@@ -176,22 +176,25 @@ def test_a_save_that_cannot_make_room_for_a_new_key_raises_and_the_next_save_tri
         assert calls == ["hidden", "hidden"], "room made once the key set is known"
 
 
-def test_a_write_by_save_refused_midway_in_its_native_call_is_sticky_and_releases_everything() -> None:
-    # Two requests, the step written by save itself: its second task is failed just before the
-    # native call, which moves the first to COPYING and then refuses the second. The failure is
-    # sticky and names the step; every page is released and both tasks end FAILED.
+def test_a_write_by_save_refused_in_its_native_call_is_sticky_and_releases_everything() -> None:
+    # Two requests, the step written by save itself under one task for both: the task is
+    # failed just before the native call, which refuses to start it. The failure is sticky and
+    # names the step and its requests; every page is released and the task ends FAILED.
     with small_cache(staging_depth=2, claim_timeout_s=5.0) as cache:
         write = cache._writer.write_step_now
 
-        def second_task_failed_first(page, keys, task_ids, offsets):
-            cache._tasks.fail(task_ids[1])
+        def task_failed_first(page, keys, task_ids, offsets):
+            assert task_ids == [0] and offsets == [0], "one task for the whole step"
+            cache._tasks.fail(task_ids[0])
             write(page, keys, task_ids, offsets)
 
-        cache._writer.write_step_now = second_task_failed_first
+        cache._writer.write_step_now = task_failed_first
         cache.begin_step(StepEvents(new=[NewRequest("a", [0]), NewRequest("b", [1])]))
         sid = cache.save(torch.ones(4, 2), {}, StepBatch(["a", "b"], [2, 2], np.array([0, 1, 16, 17])))
-        with pytest.raises(WriteFailedError, match=rf"write task#0 \(request 'a', step {sid}\) failed: TaskStateError"):
+        with pytest.raises(
+            WriteFailedError, match=rf"write task#0 \(requests 'a' to 'b' \(2\), step {sid}\) failed: TaskStateError"
+        ):
             cache.materialize(sid, ["a", "b"])
         stats = cache.stats()
         assert stats.staging_holders == [[], []], "every staging page released"
-        assert sorted(cache._tasks.states()) == [(0, "FAILED"), (1, "FAILED")]
+        assert sorted(cache._tasks.states()) == [(0, "FAILED")]

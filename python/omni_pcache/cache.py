@@ -306,16 +306,18 @@ class PrefixCache:
         )
 
     def _write_step_now(self, step_id: int, page: int, shape, immediate: list, task_ids: list[int]) -> None:
-        """Writes the step's new tasks to the pool on the engine thread, holding the writer's
+        """Writes the step's one new task (all its rows) to the pool on the engine thread, holding the writer's
         lock (one native call: `PoolWriter.write_step_now`). Its hits are planned after it, so
         they read these rows from the pool; nothing else can name the tasks yet, so none is
         recorded. Its own failure is made sticky, as the committer's are, and raised by the next
         call; a write refused because the cache failed meanwhile raises that failure now."""
         try:
-            self._writer.write_step_now(page, immediate, task_ids, shape.claim_starts)
+            self._writer.write_step_now(page, immediate, task_ids, [0])  # (one task: the step's rows from row 0)
         except BaseException as exc:
             failed_before = self._failure is not None
-            self._on_write_failure(task_ids[0], exc, f"request {shape.claim_req_ids[0]!r}, step {step_id}")
+            reqs = shape.claim_req_ids  # (the one task holds every request's rows)
+            what = f"request {reqs[0]!r}" if len(reqs) == 1 else f"requests {reqs[0]!r} to {reqs[-1]!r} ({len(reqs)})"
+            self._on_write_failure(task_ids[0], exc, f"{what}, step {step_id}")
             if failed_before:
                 raise self._closed_error("the cache was closed during save") from None
 
@@ -337,8 +339,12 @@ class PrefixCache:
             if immediate:
                 # (one native call: the tasks, their claims on every immediate key, their page holds)
                 key_ids = [spec.key_id for spec in immediate]
+                # A step save writes itself gets one task for all its rows: nothing is queued,
+                # escalated or waited on per request, and a task per request cost each its own
+                # creation, page hold, five transitions, commit and release inside the one save.
+                task_counts = counts if queued or not shape.n else [shape.n]
                 task_ids, outcomes = claim_step(
-                    self._tasks, self._ledger, self._staging, page, slot_ids, counts, key_ids
+                    self._tasks, self._ledger, self._staging, page, slot_ids, task_counts, key_ids
                 )
                 if queued and task_ids:
                     write = StepWrite.of(
