@@ -138,6 +138,9 @@ class PoolWriter:
         self._preserved = preserved
         self._cond = cond
         self.bytes_written: dict[str, int] = {}
+        # `_targets` per (key set, page): the key sets are `StepKeys` tuples kept for the cache's
+        # life, and each entry holds its tuple, so an id here is never reused for another.
+        self._targets_of: dict[tuple[int, int], tuple[tuple, list[KeySpec], list[tuple]]] = {}
 
     def write_batch(self, groups: list[tuple]) -> None:
         """Copies the owned rows of a batch of tasks into the pool, commits them, fills what
@@ -216,7 +219,7 @@ class PoolWriter:
         written = write_step_rows(self._tasks, self._ledger, task_ids, record.offsets(task_ids), targets)
         self._count_written(keys, written)
 
-    def write_step_now(self, page: int, keys: list[KeySpec], task_ids: list[int], offsets: list[int]) -> None:
+    def write_step_now(self, page: int, keys: tuple[KeySpec, ...], task_ids: list[int], offsets: list[int]) -> None:
         """A small step's new (PENDING) tasks written whole by the thread that saved it, which
         holds the writer's lock (`Committer.hold_writer`): queued and popped at once, their rows
         copied from staging page ``page`` (task ``i``'s from row ``offsets[i]``), committed,
@@ -228,12 +231,19 @@ class PoolWriter:
             written = write_step_now(self._tasks, self._ledger, self._staging, page, task_ids, offsets, targets)
         self._count_written(keys, written)
 
-    def _targets(self, keys, page: int) -> tuple[list[KeySpec], list[tuple]]:
+    def _targets(self, keys: tuple[KeySpec, ...], page: int) -> tuple[list[KeySpec], list[tuple]]:
         """The keys with bytes (rows of none move nothing) and, per key, ``(key id, staging page
-        bytes, pool bytes)``: what the native step writes take."""
-        keys = [spec for spec in keys if spec.row_bytes]
+        bytes, pool bytes)``: what the native step writes take (made once per key set and page;
+        the writing thread)."""
+        made = self._targets_of.get((id(keys), page))
+        if made is not None and made[0] is keys:
+            return made[1], made[2]
+        with_bytes = [spec for spec in keys if spec.row_bytes]
         pages, pool = self._pages, self._pool
-        return keys, [(spec.key_id, pages.page_bytes(spec.name, page), pool.byte_rows(spec.name)) for spec in keys]
+        targets = [(spec.key_id, pages.page_bytes(spec.name, page), pool.byte_rows(spec.name)) for spec in with_bytes]
+        if type(keys) is tuple:  # (the cache's key sets; a list a caller builds per call is not kept)
+            self._targets_of[(id(keys), page)] = (keys, with_bytes, targets)
+        return with_bytes, targets
 
     def _count_written(self, keys: list[KeySpec], rows_per_key: list[int]) -> None:
         for spec, rows in zip(keys, rows_per_key, strict=True):
