@@ -92,5 +92,10 @@ class PreservedRows:
             for entry in self._by_step.pop(step):
                 self._rows.pop(entry, None)
 
+    @property
+    def steps_held(self) -> bool:
+        """Whether any step still has entries for `drop_through` to drop (caller holds the lock)."""
+        return bool(self._by_step)
+
     def __len__(self) -> int:
         return len(self._rows)
