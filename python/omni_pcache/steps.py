@@ -103,7 +103,8 @@ class StepPages:
         if not 0 <= step_id < 2**64:  # (no step id is out of u64 range: never issued)
             raise StepIdError(f"step#{step_id} was never issued; outstanding step ids: {self.ids.outstanding()}")
         record = self.records.get(step_id)
-        if record is not None and req_ids is not None:
+        # (every request of the step in batch order, the usual call, needs none of the checks)
+        if record is not None and req_ids is not None and req_ids != list(record.rows):
             try:
                 wanted = set(req_ids)
             except TypeError:  # an unhashable id (a list, a dict, ...)
