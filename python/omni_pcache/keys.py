@@ -134,11 +134,13 @@ class KeyRegistry:
                 cached[name] = value
             else:
                 leftover[name] = value
-        if token_keys is None and n > 0:
+        if leftover and token_keys is None and n > 0:
             self._leftover.update(k for k in leftover if k not in self._specs)
         # (rows that require grad are copied without their graph: the cache keeps values only)
+        specs = self._specs
         return {
-            name: (self._spec_for(name, t), t.detach() if t.requires_grad else t) for name, t in cached.items()
+            name: (specs.get(name) or self._spec_for(name, t), t.detach() if t.requires_grad else t)
+            for name, t in cached.items()
         }, leftover
 
     def step_keys(self, cached: dict[str, tuple[KeySpec, Any]], prepare: Callable[[StepKeys], None]) -> StepKeys:

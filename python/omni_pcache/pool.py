@@ -65,7 +65,7 @@ class HostPool:
         if (
             rows.dtype != pool.dtype
             or rows.shape[1:] != pool.shape[1:]
-            or rows.device.type != "cpu"
+            or not rows.is_cpu
             or rows.is_conj()
             or rows.is_neg()
         ):

@@ -70,7 +70,7 @@ def check_batch(batch: StepBatch, config: CacheConfig) -> BatchShape:
         raise InvalidInputError(f"save takes a StepBatch, got {type(batch).__name__}")
     mapping = batch.slot_mapping
     if isinstance(mapping, torch.Tensor):
-        if mapping.device.type != "cpu":
+        if not mapping.is_cpu:
             raise InvalidInputError("slot_mapping must be the CPU slot ids (no device sync), got a device tensor")
         mapping = mapping.numpy()
     # (the slots come back as a copy, always: write records keep them until their writes land,
