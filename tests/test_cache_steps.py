@@ -105,6 +105,18 @@ def test_oversized_step_and_foreign_request_ids_raise_and_change_nothing() -> No
         assert out.hidden["a"].shape == (8, 2)
 
 
+def test_materialize_serves_ids_equal_to_the_saved_ones_but_other_objects() -> None:
+    with small_cache() as cache:
+        saved = "req-" + str(7)
+        cache.begin_step(StepEvents(new=[NewRequest(saved, [0, 1, 2])]))
+        sid = save_one(cache, req=saved, n=8)
+        asked = "".join(["req-", "7"])
+        assert asked == saved and asked is not saved
+        out = cache.materialize(sid, [asked])
+        assert torch.equal(out.hidden[asked], torch.ones(8, 2))
+        assert cache.stats().steps_outstanding == []
+
+
 def test_materialize_refuses_a_bare_str_unhashable_and_duplicate_ids_and_consumes_nothing() -> None:
     with small_cache() as cache:
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2])]))
@@ -114,9 +126,12 @@ def test_materialize_refuses_a_bare_str_unhashable_and_duplicate_ids_and_consume
             cache.materialize(sid, "a")
         with pytest.raises(InvalidInputError, match=r"req_ids holds request ids \(str\), got \['a'\]"):
             cache.materialize(sid, [["a"]])
+        # A one-element numpy array of the id compares equal to it, but is no id (unhashable).
+        with pytest.raises(InvalidInputError, match=r"req_ids holds request ids \(str\), got array\(\['a'\]"):
+            cache.materialize(sid, list(np.array([["a"]])))
         with pytest.raises(InvalidInputError, match=r"req_ids has duplicates: \['a'\]; nothing was consumed"):
             cache.materialize(sid, ["a", "a"])
-        assert cache.stats().steps_outstanding == [sid]  # neither refusal consumed the id
+        assert cache.stats().steps_outstanding == [sid]  # no refusal consumed the id
         out = cache.materialize(sid, ["a"])
         assert out.hidden["a"].shape == (8, 2)
         assert cache.stats().steps_outstanding == []

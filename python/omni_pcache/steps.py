@@ -14,6 +14,7 @@ cache's ledger lock (shared ``cond``), as the failure path that releases every p
 from __future__ import annotations
 
 import itertools
+import operator
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +30,11 @@ _STEP_ID_BASES = itertools.count()
 """Each cache issues step ids from its own 2**40-wide range: an id kept across a rebuild (a
 vLLM runner re-initializing its KV cache) is refused by the new cache as never issued instead
 of naming one of its steps."""
+
+
+def _same_objects(req_ids: Sequence[object], saved: dict[str, object]) -> bool:
+    """Whether ``req_ids`` are the step's own id objects, all of them, in batch order."""
+    return len(req_ids) == len(saved) and all(map(operator.is_, req_ids, saved))
 
 
 class StepPages:
@@ -103,8 +109,10 @@ class StepPages:
         if not 0 <= step_id < 2**64:  # (no step id is out of u64 range: never issued)
             raise StepIdError(f"step#{step_id} was never issued; outstanding step ids: {self.ids.outstanding()}")
         record = self.records.get(step_id)
-        # (every request of the step in batch order, the usual call, needs none of the checks)
-        if record is not None and req_ids is not None and req_ids != list(record.rows):
+        # The usual call names the step's own request ids (the very objects saved), every one in
+        # batch order, and needs none of the checks. Identity, not equality: an object that only
+        # compares equal to an id (a one-element numpy array of it) must meet the checks.
+        if record is not None and req_ids is not None and not _same_objects(req_ids, record.rows):
             try:
                 wanted = set(req_ids)
             except TypeError:  # an unhashable id (a list, a dict, ...)
