@@ -306,10 +306,10 @@ class PrefixCache:
         )
 
     def _write_step_now(self, step_id: int, page: int, shape, immediate: list, task_ids: list[int]) -> None:
-        """Writes the step's one new task (all its rows) to the pool on the engine thread, holding the writer's
-        lock (one native call: `PoolWriter.write_step_now`). Its hits are planned after it, so
-        they read these rows from the pool; nothing else can name the tasks yet, so none is
-        recorded. Its own failure is made sticky, as the committer's are, and raised by the next
+        """Writes the step's one new task (all its rows) to the pool on the engine thread,
+        holding the writer's lock (one native call: `PoolWriter.write_step_now`). Its hits are
+        planned after it, so they read these rows from the pool; nothing else can name the task
+        yet, so it is not recorded. Its own failure is made sticky, as the committer's are, and raised by the next
         call; a write refused because the cache failed meanwhile raises that failure now."""
         try:
             self._writer.write_step_now(page, immediate, task_ids, [0])  # (one task: the step's rows from row 0)

@@ -138,22 +138,25 @@ class StepPages:
         """Releases a consumed step's reads, and the preserved rows no step can need any more:
         those created up to the oldest step still outstanding or still being materialized on
         some thread (its id is consumed, but its reads are not served yet); then its page."""
-        with self._cond:  # (one section: the page release as `_release_page` makes it)
+        with self._cond:
             for hit in record.hits.values():
                 self._reader.release(hit)
             self._building.discard(record.step_id)
             if self._preserved.steps_held:
                 live = self.ids.outstanding()[:1] + list(self._building)
                 self._preserved.drop_through(min(live) if live else None)
-            if not self._staging.closed:
-                self._staging.release(record.page, ("step", record.step_id))
+            self._release_page_locked(record.page, record.step_id)
 
     def _release_page(self, page: int, step_id: int) -> None:
-        """Drops the step's hold on its staging page, unless a failure already released every
-        holder (under the ledger lock, as the failure path is, so the two cannot interleave)."""
         with self._cond:
-            if not self._staging.closed:
-                self._staging.release(page, ("step", step_id))
+            self._release_page_locked(page, step_id)
+
+    def _release_page_locked(self, page: int, step_id: int) -> None:
+        """Drops the step's hold on its staging page, unless a failure already released every
+        holder (caller holds the ledger lock, as the failure path does, so the two cannot
+        interleave)."""
+        if not self._staging.closed:
+            self._staging.release(page, ("step", step_id))
 
 
 __all__ = ["StepPages"]
