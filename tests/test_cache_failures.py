@@ -138,14 +138,14 @@ def test_a_failure_while_save_is_between_its_claims_and_its_queueing_raises_the_
     # The committer fails (and fails every live task) right after save claimed its rows: save
     # reports that failure, not the refused queueing (or write) of its now-FAILED tasks.
     with small_cache(inline_write_bytes=inline_write_bytes) as cache:
-        claim_rows = cache._claim_rows
+        claim_rows = cache._claims.claim
 
         def claims_then_the_committer_fails(*args, **kwargs):
             out = claim_rows(*args, **kwargs)
             cache._on_write_failure(-1, RuntimeError("pool write failed"))  # what the committer runs
             return out
 
-        cache._claim_rows = claims_then_the_committer_fails
+        cache._claims.claim = claims_then_the_committer_fails
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
         with pytest.raises(WriteFailedError, match=r"the committer thread failed: RuntimeError\('pool write failed'\)"):
             save_one(cache)

@@ -150,6 +150,12 @@ def test_materialize_refuses_a_bare_str_unhashable_and_duplicate_ids_and_consume
         (StepBatch(["a"], [2], np.array([-3, 1])), r"slot_mapping: slot id -3 at position 0 is out of range"),
         (StepBatch(["a"], [2], np.array([5, 5])), r"slot_mapping: slot id 5 appears twice \(positions 0 and 1\)"),
         (StepBatch(["a"], [2], np.array([0.0, 1.0])), "slot_mapping must be a 1-D integer array"),
+        (
+            StepBatch(["a"], [2], torch.arange(2, dtype=torch.bfloat16)),
+            "1-D integer array, got a torch.bfloat16 tensor",
+        ),
+        (StepBatch(["a"], [2], torch.tensor([True, False])), "1-D integer array, got a torch.bool tensor"),
+        (StepBatch(["a"], [2], [[0, 1], [2]]), "slot_mapping must be a 1-D integer array: setting an array element"),
         (StepBatch(["a"], [2], np.arange(2), 1), "num_tokens_padded must be an int >= 2"),
         (StepBatch(["a"], [True], np.arange(2)), "num_scheduled_tokens of 'a' must be an int >= 0, got True"),
         (StepBatch(["a"], [1.0], np.arange(2)), "num_scheduled_tokens of 'a' must be an int >= 0, got 1.0"),

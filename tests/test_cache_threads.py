@@ -3,8 +3,11 @@ waits for its copies; inline mode for debugging; stats and the host footprint.""
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
+import time
+import weakref
 
 import numpy as np
 import pytest
@@ -272,3 +275,40 @@ def test_a_finished_requests_queued_writes_go_to_the_front_of_the_queue() -> Non
         assert batches == [["a"], ["d", "b", "c"]]
         cache.discard(first)
         cache.discard(second)
+
+
+def test_a_cache_dropped_without_close_is_collected_and_its_committer_thread_ends() -> None:
+    cache = small_cache(inline_write_bytes=0)
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+    cache.materialize(cache.save(torch.ones(4, 2), {}, StepBatch(["a"], [4], np.arange(4))), ["a"])
+    cache.flush()
+    thread, dropped = cache._committer._thread, weakref.ref(cache)
+    assert thread is not None and thread.is_alive()
+    del cache
+    deadline = time.monotonic() + 5
+    while dropped() is not None and time.monotonic() < deadline:  # (until the committer's write returned)
+        gc.collect()  # (the cache's parts refer to each other: a cycle, freed by the collector)
+        time.sleep(0.01)
+    assert dropped() is None
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_a_cache_finalized_on_its_committer_thread_ends_the_thread_without_failing() -> None:
+    # The cache may be collected on the committer thread (its write held the last reference):
+    # the finalizer then runs there and must not wait for its own thread.
+    cache = small_cache(inline_write_bytes=0)
+    thread, write = cache._committer._thread, cache._writer.write_batch
+
+    def write_then_finalize(groups) -> None:
+        write(groups)
+        cache._finalizer()  # what collecting the cache on this thread runs
+
+    cache._writer.write_batch = write_then_finalize
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+    sid = cache.save(torch.full((4, 2), 3.0), {}, StepBatch(["a"], [4], np.arange(4)))
+    thread.join(5)
+    assert not thread.is_alive()
+    cache.flush()  # the write landed and nothing failed
+    assert torch.equal(cache.materialize(sid, ["a"]).hidden["a"], torch.full((4, 2), 3.0))
+    cache.close()

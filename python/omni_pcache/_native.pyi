@@ -93,6 +93,9 @@ class Ledger:
     def claim_many(
         self, slots: IndexLike, counts: Sequence[int], key_id: int, task_ids: Sequence[int]
     ) -> ClaimOutcome: ...
+    def invalidate(self, slots: IndexLike, key_id: int) -> ClaimOutcome:
+        """The slots' rows of the key are gone with nothing replacing them (a step that did not
+        give the key): versions bumped, slots absent; reports what a claim would."""
     def owned(self, task_id: int, key_id: int) -> tuple[IndexArray, IndexArray]: ...
     def owned_many(
         self, task_ids: Sequence[int], key_id: int, offsets: Sequence[int]

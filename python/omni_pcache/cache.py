@@ -3,9 +3,9 @@
 Per step, on the engine thread: `begin_step` (before the forward) registers new requests'
 hit spans, escalates the writes of finished ones and fences last step's copies; `save`
 (after the forward) launches the copy of the step's per-token rows into a staging page (one
-copy per key, see `omni_pcache.copy_engine`), claims their slots in the
-ledger under one write task per request, plans this step's hit reads, snapshots leftover mm
-and returns a step id. The committer thread writes the pool, except a small all-CPU step
+copy per key, see `omni_pcache.copy_engine`), claims their slots in the ledger under one
+write task per request (`omni_pcache.claims`), plans this step's hit reads, snapshots
+leftover mm and returns a step id. The committer thread writes the pool, except a small all-CPU step
 that save writes itself while the committer is idle. `materialize` (any thread,
 possibly a step late) returns per request the cached prefix rows followed by this step's
 rows (assembled by `omni_pcache.outputs`); `discard` consumes a step id nobody needs.
@@ -22,12 +22,13 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from omni_pcache._native import Deliveries, Ledger, StagingSlots, WriteTasks, claim_step
+from omni_pcache._native import Deliveries, Ledger, StagingSlots, WriteTasks
+from omni_pcache.claims import StepClaims
 from omni_pcache.committer import Committer
 from omni_pcache.config import CacheConfig, CachePolicy
 from omni_pcache.copy_engine import CopyEngine, CopyHandle
@@ -42,7 +43,7 @@ from omni_pcache.errors import (
     WriteTimeoutError,
 )
 from omni_pcache.events import NewRequest, ResumedRequest, StepBatch, StepEvents, StepOutputs
-from omni_pcache.keys import KeyRegistry, KeySpec, StepKeys
+from omni_pcache.keys import KeyRegistry, StepKeys
 from omni_pcache.outputs import OutputBuilder, StepRecord
 from omni_pcache.pages import StagingPages
 from omni_pcache.pool import HostPool
@@ -53,6 +54,19 @@ from omni_pcache.stats import CacheStats, Counters
 from omni_pcache.steps import StepPages
 from omni_pcache.validation import as_list, check_batch, check_timeout
 from omni_pcache.writes import PoolWriter, StepWrite, batch_groups
+
+
+def _weakly(method: Callable[..., None]) -> Callable[..., None]:
+    """``method`` called through a weak reference to its object; a no-op once that is gone
+    (what the committer thread holds of the cache, so that it does not keep the cache alive)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
 
 
 class PrefixCache:
@@ -101,12 +115,26 @@ class PrefixCache:
         # Step writes with tasks not written yet, oldest first, where a finished request's writes
         # are looked up to be escalated (pruned at `_reap_completions`; at most ~staging_depth).
         self._open_writes: dict[int, StepWrite] = {}
+        self._claims = StepClaims(
+            self._tasks,
+            self._ledger,
+            self._staging,
+            self._pages,
+            self._preserved,
+            self._deferred,
+            self._cond,
+            self._records,
+            self._open_writes,
+        )
         # What each live request's consumer has been given (native: `pcache_core::delivery`).
         self._delivery = Deliveries(config.block_size)
         self._failure: WriteFailedError | None = None
         self._closed = False
-        self._committer = Committer(self._tasks, self._write_tasks, self._on_write_failure, config.threaded)
-        # A cache dropped without close() still stops its committer (before interpreter exit).
+        # The committer reaches the cache only weakly, so a cache dropped without close() is
+        # collected, and collecting it stops the committer (the finalizer; else at exit).
+        self._committer = Committer(
+            self._tasks, _weakly(self._write_tasks), _weakly(self._on_write_failure), config.threaded
+        )
         self._finalizer = weakref.finalize(self, self._committer.stop, config.claim_timeout_s)
 
     # ---- context manager and lifecycle -------------------------------------------------
@@ -241,7 +269,7 @@ class PrefixCache:
                 copy.copy(dst, src)
                 if not src.is_cuda:
                     sources[spec.name] = src
-            kept_leftover = {name: snapshot(value, copy) for name, value in leftover.items()}
+            kept_leftover = {name: snapshot(value, copy, name) for name, value in leftover.items()}
             handle = copy.finish()
             clones = self._deferred.clone_step(deferred, cached, shape)  # charges only if it returns
         except BaseException as exc:  # a leftover that cannot be copied, no device budget in time, ...
@@ -249,14 +277,21 @@ class PrefixCache:
             if self._failure is not None or isinstance(exc, CacheClosedError):  # every call raises the failure
                 raise self._closed_error("the cache was closed during save") from None
             raise
+        registered = self._keys.specs
+        # Keys cached before that this step does not give: its positions have no rows of them.
+        omitted = () if len(registered) == len(cached) else tuple(registered[k] for k in registered if k not in cached)
+        if deferred and self._deferred.open:  # (a request's open record holds one key set)
+            flushed = self._deferred.close_other_keys(shape.claim_req_ids, deferred)
+            if flushed:
+                self._committer.notify(flushed)
         # A small all-CPU step is written here, before its hits are planned, while the committer
         # is idle: its tasks are never queued and no record of them is kept (see `_write_step_now`).
         now = False
         try:
             now = self._write_here(shape.n, keys, sources, handle) and self._committer.hold_writer()
             try:
-                task_ids, from_pool, from_deferred = self._claim_rows(
-                    step_id, page, shape, immediate, deferred, handle, clones, queued=not now
+                task_ids, from_pool, from_deferred = self._claims.claim(
+                    step_id, page, shape, immediate, deferred, handle, clones, queued=not now, omitted=omitted
                 )
             except CacheClosedError:  # (claims fail only when the cache failed or closed meanwhile)
                 raise self._closed_error("the cache was closed during save") from None
@@ -320,89 +355,6 @@ class PrefixCache:
             self._on_write_failure(task_ids[0], exc, f"{what}, step {step_id}")
             if failed_before:
                 raise self._closed_error("the cache was closed during save") from None
-
-    def _claim_rows(self, step_id, page, shape, immediate, deferred, handle, clones, queued: bool):
-        """Creates the step's immediate write tasks (one per request with rows, in one
-        `StepWrite` when they will be ``queued`` for the committer; none when save writes them
-        itself) and extends each request's open deferred record, claiming their slots and
-        registering copy-on-write obligations atomically with the claims (ledger lock). Returns
-        the immediate task ids."""
-        task_ids: list[int] = []
-        from_pool: list = []
-        from_deferred: list = []
-        if not immediate and not deferred:
-            return task_ids, from_pool, from_deferred
-        # (the slot mapping holds exactly the scheduled rows' slots; zero-count requests add none)
-        req_ids, starts, counts = shape.claim_req_ids, shape.claim_starts, shape.claim_counts
-        slot_ids = shape.slot_mapping  # the scheduled rows' slots, in batch order (int64)
-        with self._cond:
-            if immediate:
-                # (one native call: the tasks, their claims on every immediate key, their page holds)
-                key_ids = [spec.key_id for spec in immediate]
-                # A step save writes itself gets one task for all its rows: nothing is queued,
-                # escalated or waited on per request, and a task per request cost each its own
-                # creation, page hold, five transitions, commit and release inside the one save.
-                task_counts = counts if queued or not shape.n else [shape.n]
-                task_ids, outcomes = claim_step(
-                    self._tasks, self._ledger, self._staging, page, slot_ids, task_counts, key_ids
-                )
-                if queued and task_ids:
-                    write = StepWrite.of(
-                        step_id,
-                        page,
-                        tuple(immediate),
-                        handle,
-                        slot_ids,
-                        self._pages,
-                        task_ids,
-                        req_ids,
-                        starts,
-                        counts,
-                    )
-                    self._records.update(zip(task_ids, [write] * len(task_ids), strict=True))
-                    self._open_writes[step_id] = write
-                for spec, out in zip(immediate, outcomes, strict=True):
-                    if out is not None and out.preserve_slots.size:
-                        self._register_obligations(spec, out, step_id, from_pool, from_deferred)
-            if deferred:
-                owners = []
-                for req_id, start, count in zip(req_ids, starts, counts, strict=True):
-                    record = self._deferred.open.get(req_id)
-                    if record is None:
-                        record = self._deferred.open_record(req_id, step_id, tuple(deferred))
-                        self._records[record.task_id] = record
-                    record.append(clones, start, count, slot_ids[start : start + count])
-                    owners.append(record.task_id)
-                    for spec in deferred:
-                        clones[spec.name].owners.append(record)
-                for spec in deferred:
-                    out = self._ledger.claim_many(shape.slot_mapping, counts, spec.key_id, owners)
-                    if out.preserve_slots.size:
-                        self._register_obligations(spec, out, step_id, from_pool, from_deferred)
-        return task_ids, from_pool, from_deferred
-
-    def _register_obligations(self, spec: KeySpec, out, step_id: int, from_pool: list, from_deferred: list) -> None:
-        """Copy-on-write for slots a pending read captured (caller holds the ledger lock)."""
-        slots = out.preserve_slots.tolist()
-        versions = out.preserve_versions.tolist()
-        owners = out.preserve_from.tolist()
-        accepted = self._preserved.register(spec.name, slots, versions, step_id)
-        by_owner: dict[int, tuple[list[int], list[int]]] = {}
-        for slot, version, owner, ok in zip(slots, versions, owners, accepted, strict=True):
-            if ok:
-                group = by_owner.setdefault(owner, ([], []))
-                group[0].append(slot)
-                group[1].append(version)
-        for owner, (s, v) in by_owner.items():
-            record = self._records.get(owner) if owner >= 0 else None
-            if record is None:
-                from_pool.append((spec, s, v))
-            elif record.deferred:
-                from_deferred.append((record, spec, s, v))  # its rows are in a clone already
-            else:
-                if record.obligations is None:
-                    record.obligations = {}
-                record.obligations.setdefault(owner, []).append((spec, s, v))
 
     # ---- committer thread --------------------------------------------------------------
 
@@ -516,7 +468,11 @@ class PrefixCache:
 
     def _reap_completions(self) -> None:
         """Forgets written tasks (engine thread). Under the ledger lock: `flush`, `_wait_tasks` and
-        the failure path read ``_records`` from other threads under it."""
+        the failure path read ``_records`` from other threads under it. Nothing to do when no
+        task is recorded: only recorded tasks are published as complete (a step save wrote
+        itself is forgotten unpublished), and each stays recorded until reaped here."""
+        if not self._records and not self._open_writes:
+            return
         completed = self._tasks.reap_completions()
         forget = self._records.pop
         with self._cond:

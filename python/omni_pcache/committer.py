@@ -127,13 +127,16 @@ class Committer:
                 return
 
     def stop(self, timeout_s: float) -> None:
-        """Writes what is queued, then ends the thread. Idempotent."""
+        """Writes what is queued, then ends the thread. Idempotent. On the committer thread
+        itself (a cache dropped while its write held the last reference is collected there) the
+        thread ends after the batch it is writing, not waited for."""
         self._stopping = True
         if self._thread is not None:
             self._wake_up()
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                logger.warning("omni_pcache: committer did not stop within %.1f s", timeout_s)
+            if self._thread is not threading.current_thread():
+                self._thread.join(timeout_s)
+                if self._thread.is_alive():
+                    logger.warning("omni_pcache: committer did not stop within %.1f s", timeout_s)
             self._thread = None
         else:
             self._drain()

@@ -254,6 +254,19 @@ class DeferredWrites:
         self.flush(record)
         return 1
 
+    def close_other_keys(self, req_ids: list[str], keys: tuple[KeySpec, ...]) -> int:
+        """Queues the open records of ``req_ids`` that hold another set of deferred keys than
+        this step's ``keys`` (a step that gives a deferred key more or fewer than the request's
+        earlier steps), so the step's rows open a new record with its own keys: a record
+        extends every key it holds with each step's rows. Returns how many tasks were queued."""
+        flushed = 0
+        for req_id in req_ids:
+            record = self.open.get(req_id)
+            if record is not None and record.keys != keys and set(record.keys) != set(keys):
+                self.flush(record)
+                flushed += 1
+        return flushed
+
     def finish(self, req_id: str) -> int:
         """The request finished or aborted: its open record goes to the front of the queue.
         Returns how many tasks were queued (0 or 1)."""

@@ -119,8 +119,9 @@ class HitReader:
                 raise UnservableHitError(
                     f"request {hit.req_id!r} (step {step_id}) hits {hit.num_rows} rows of "
                     f"{read.spec.name!r}, but {absent.size} were never written (first positions "
-                    f"{absent[:8].tolist()}, slots {read.slots[absent[:8]].tolist()}): the cache "
-                    "does not mirror the engine's KV for these blocks"
+                    f"{absent[:8].tolist()}, slots {read.slots[absent[:8]].tolist()}): the steps that "
+                    "computed them did not give this key, or the cache does not mirror the engine's KV "
+                    "for these blocks"
                 )
         in_flight = {t for read in hit.keys for t in read.tasks}
         # Deferred rows not yet written are served from their device clone, never waited for

@@ -10,27 +10,37 @@ import numpy as np
 import torch
 
 from omni_pcache.copy_engine import StepCopy
+from omni_pcache.errors import InvalidInputError
 
 
-def snapshot(value: Any, engine: StepCopy) -> Any:
+def snapshot(value: Any, engine: StepCopy, name: str = "") -> Any:
     """A deep CPU copy of ``value``: tensors are copied (device tensors through ``engine``, so
     the reader must wait the step's copy handle before reading them), containers (dicts, lists,
     tuples, namedtuples) are rebuilt, numpy arrays copied, anything else deep-copied (a device
-    tensor inside another object is then copied on its device)."""
+    tensor inside another object is then copied on its device). Raises `InvalidInputError`,
+    naming the leftover ``name``, for a value that cannot be deep-copied."""
     if isinstance(value, torch.Tensor):
         return engine.snapshot(value)
     if isinstance(value, dict):
-        return {k: snapshot(v, engine) for k, v in value.items()}
+        return {k: snapshot(v, engine, name) for k, v in value.items()}
     if isinstance(value, list):
-        return [snapshot(v, engine) for v in value]
+        return [snapshot(v, engine, name) for v in value]
     if isinstance(value, tuple):
-        items = [snapshot(v, engine) for v in value]
+        items = [snapshot(v, engine, name) for v in value]
         return type(value)(*items) if hasattr(value, "_fields") else tuple(items)  # namedtuples keep their type
     if isinstance(value, np.ndarray):
         return value.copy()
     if isinstance(value, (int, float, bool, str, bytes, type(None))):
         return value
-    return copy.deepcopy(value)
+    try:
+        return copy.deepcopy(value)
+    except MemoryError:
+        raise
+    except Exception as exc:  # (a lock, a file, a generator: nothing a step's outputs can hand back later)
+        raise InvalidInputError(
+            f"leftover mm {name!r} holds a {type(value).__name__}, which cannot be copied at save ({exc!r}); "
+            "pass tensors, numpy arrays, plain containers or copyable objects"
+        ) from exc
 
 
 def is_per_row(value: Any, n: int, n_padded: int) -> bool:

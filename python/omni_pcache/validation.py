@@ -72,6 +72,9 @@ def check_batch(batch: StepBatch, config: CacheConfig) -> BatchShape:
     if isinstance(mapping, torch.Tensor):
         if not mapping.is_cpu:
             raise InvalidInputError("slot_mapping must be the CPU slot ids (no device sync), got a device tensor")
+        if mapping.is_floating_point() or mapping.is_complex() or mapping.dtype == torch.bool:
+            # (refused here: numpy has no bfloat16, so `.numpy()` would raise its own TypeError)
+            raise InvalidInputError(f"slot_mapping must be a 1-D integer array, got a {mapping.dtype} tensor")
         mapping = mapping.numpy()
     # (the slots come back as a copy, always: write records keep them until their writes land,
     # and the caller may refill its slot buffer as soon as save returns; vLLM reuses one)
@@ -84,7 +87,10 @@ def check_batch(batch: StepBatch, config: CacheConfig) -> BatchShape:
         )
     checked = native_check_batch(req_ids, counts, mapping, *args)
     if checked is None:  # not an int64/int32 numpy array
-        mapping = np.asarray(mapping)
+        try:
+            mapping = np.asarray(mapping)
+        except (ValueError, TypeError) as exc:  # a ragged list, an object numpy cannot read
+            raise InvalidInputError(f"slot_mapping must be a 1-D integer array: {exc}") from None
         if mapping.ndim != 1 or mapping.dtype.kind not in "iu":
             raise InvalidInputError(f"slot_mapping must be a 1-D integer array, got {mapping.dtype} {mapping.shape}")
         checked = native_check_batch(req_ids, counts, mapping.astype(np.int64), *args)

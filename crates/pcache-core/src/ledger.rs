@@ -261,6 +261,31 @@ impl Ledger {
         Ok(out)
     }
 
+    /// The rows of `slots` on `key` are gone and nothing replaces them (a step that computed
+    /// these positions did not give this key): every slot's version is bumped and it becomes
+    /// absent, so a read planned later finds no row to serve and a pending read sees its row
+    /// move. Reports what a claim reports: slots taken from an older in-transit task (which
+    /// skips them when it writes) and rows a pending read captured (to keep aside). Refused as
+    /// a whole (nothing changes) for an unknown key, an out-of-range or negative slot, or a
+    /// slot listed twice.
+    pub fn invalidate<S: RawSlot>(&mut self, slots: &[S], key: KeyId) -> Result<ClaimOutcome> {
+        self.check_key(key)?;
+        let runs = split_runs(slots, self.num_slots)?;
+        check_unique(&mut self.seen, &runs, slots)?;
+        let mut out = ClaimOutcome::default();
+        let (cols, handles) = (&mut self.keys[key.0 as usize], &self.handles);
+        // (a claim by nobody: the owner becomes absent, and an absent slot is nobody's to steal)
+        for &run in &runs {
+            if run.len < SHORT_RUN {
+                (run.range())
+                    .for_each(|slot| cols.claim_slot(slot, OWNER_ABSENT, handles, &mut out));
+            } else {
+                cols.claim_run(run, OWNER_ABSENT, handles, &mut out);
+            }
+        }
+        Ok(out)
+    }
+
     /// The claim itself, on validated runs.
     fn claim_runs(&mut self, runs: Vec<Run>, key: KeyId, task: TaskId, out: &mut ClaimOutcome) {
         let handles = &mut self.handles;

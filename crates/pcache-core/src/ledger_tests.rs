@@ -181,6 +181,44 @@ fn abandoned_rows_are_absent_and_reads_see_it() {
 }
 
 #[test]
+fn invalidated_rows_are_absent_captured_ones_are_preserved_and_in_transit_ones_stolen() {
+    let (mut l, k) = ledger_with_key();
+    // Slots 0..20 committed (a run of 16 and a short tail), 30 and 31 in transit under T2.
+    let committed: Vec<i64> = (0..20).collect();
+    l.claim(&committed, k, T1).unwrap();
+    l.commit(T1).unwrap();
+    l.claim(&[30i64, 31], k, T2).unwrap();
+    let plan = l.plan_read(&[3i64, 18, 31], k).unwrap();
+
+    let gone: Vec<i64> = (0..20).chain([30, 31]).collect();
+    let out = l.invalidate(&gone, k).unwrap();
+    // The captured rows are reported for preserving, from where they are now.
+    assert_eq!(out.preserve_slots, vec![3, 18, 31]);
+    assert_eq!(out.preserve_versions, vec![1, 1, 1]);
+    assert_eq!(out.preserve_from, vec![SOURCE_POOL, SOURCE_POOL, 2]);
+    // The in-transit task loses its slots: it writes nothing and commits nothing.
+    assert_eq!(
+        (out.stolen_slots, out.stolen_from),
+        (vec![30, 31], vec![2, 2])
+    );
+    assert_eq!(l.owned(T2, k).unwrap(), (vec![], vec![]));
+    assert_eq!(l.commit(T2).unwrap(), 0);
+    // Every slot is absent at a new version; the pending read sees all three move.
+    let (sources, versions) = l.peek(&gone, k).unwrap();
+    assert!(sources.iter().all(|&s| s == SOURCE_ABSENT));
+    assert!(versions.iter().all(|&v| v == 2));
+    assert_eq!(l.validate(plan.read).unwrap(), vec![0, 1, 2]);
+    l.release(plan.read).unwrap();
+    // A read planned now finds nothing to serve.
+    assert_eq!(l.plan_read(&[3i64], k).unwrap().num_absent(), 1);
+    // Refused as a whole: a slot twice, or out of range, changes nothing.
+    assert!(l.invalidate(&[40i64, 40], k).is_err());
+    assert!(l.invalidate(&[41i64, 64], k).is_err());
+    assert_eq!(l.peek(&[40i64, 41], k).unwrap().1, vec![0, 0]);
+    assert!(l.invalidate(&[1i64], KeyId(7)).is_err());
+}
+
+#[test]
 fn a_task_reclaiming_its_own_slot_owns_only_the_newest_position() {
     let (mut l, k) = ledger_with_key();
     l.claim(&[1i64, 2], k, T1).unwrap();

@@ -36,6 +36,10 @@ enum Op {
     Abandon {
         task: u64,
     },
+    Invalidate {
+        slots: Vec<i64>,
+        key: u32,
+    },
     PlanRead {
         slots: Vec<i64>,
         key: u32,
@@ -146,6 +150,15 @@ impl Model {
     }
 
     fn claim(&mut self, slots: &[i64], key: u32, task: u64) -> Result<ClaimOutcome> {
+        self.claim_for(slots, key, Owner::Task(task))
+    }
+
+    /// A claim by nobody: the slots become absent (`Ledger::invalidate`).
+    fn invalidate(&mut self, slots: &[i64], key: u32) -> Result<ClaimOutcome> {
+        self.claim_for(slots, key, Owner::Absent)
+    }
+
+    fn claim_for(&mut self, slots: &[i64], key: u32, owner: Owner) -> Result<ClaimOutcome> {
         self.check_key(key)?;
         let slots = Self::check_range(slots)?;
         let mut first_seen: HashMap<usize, usize> = HashMap::new();
@@ -164,7 +177,7 @@ impl Model {
         for &slot in &slots {
             let before = self.cell(key, slot);
             let from = match before.owner {
-                Owner::Task(t) if t != task => {
+                Owner::Task(t) if before.owner != owner => {
                     out.stolen_slots.push(slot as i64);
                     out.stolen_from.push(t as i64);
                     Some(t as i64)
@@ -178,13 +191,12 @@ impl Model {
                 out.preserve_from.push(from);
             }
             let version = before.version + 1;
-            *self.cell_mut(key, slot) = Cell {
-                owner: Owner::Task(task),
-                version,
-            };
+            *self.cell_mut(key, slot) = Cell { owner, version };
             rows.push(ClaimedRow { key, slot, version });
         }
-        self.tasks.entry(task).or_default().extend(rows);
+        if let Owner::Task(task) = owner {
+            self.tasks.entry(task).or_default().extend(rows);
+        }
         Ok(out)
     }
 
@@ -290,6 +302,7 @@ impl Model {
 #[derive(Default, Debug, Clone, Copy)]
 struct Stats {
     claims_ok: usize,
+    invalidations_ok: usize,
     stolen: usize,
     preserved: usize,
     partial_commits: usize,
@@ -323,6 +336,19 @@ fn apply(ledger: &mut Ledger, model: &mut Model, op: &Op, stats: &mut Stats) {
             match &got {
                 Ok(out) => {
                     stats.claims_ok += 1;
+                    stats.stolen += out.stolen_slots.len();
+                    stats.preserved += out.preserve_slots.len();
+                }
+                Err(e) => count_error(stats, e),
+            }
+        }
+        Op::Invalidate { slots, key } => {
+            let got = ledger.invalidate(slots, KeyId(*key));
+            let want = model.invalidate(slots, *key);
+            assert_eq!(got, want, "invalidate({slots:?}, key#{key})");
+            match &got {
+                Ok(out) => {
+                    stats.invalidations_ok += 1;
                     stats.stolen += out.stolen_slots.len();
                     stats.preserved += out.preserve_slots.len();
                 }
@@ -508,6 +534,7 @@ fn op() -> impl Strategy<Value = Op> {
         5 => (claim_slots(), key(), task()).prop_map(|(slots, key, task)| Op::Claim { slots, key, task }),
         2 => task().prop_map(|task| Op::Commit { task }),
         1 => task().prop_map(|task| Op::Abandon { task }),
+        1 => (claim_slots(), key()).prop_map(|(slots, key)| Op::Invalidate { slots, key }),
         3 => (read_slots(), key()).prop_map(|(slots, key)| Op::PlanRead { slots, key }),
         2 => any::<usize>().prop_map(|pick| Op::Validate { pick }),
         2 => any::<usize>().prop_map(|pick| Op::Release { pick }),
@@ -547,6 +574,7 @@ fn generator_reaches_every_outcome() {
             let s = run(&ops);
             let mut t = total.borrow_mut();
             t.claims_ok += s.claims_ok;
+            t.invalidations_ok += s.invalidations_ok;
             t.stolen += s.stolen;
             t.preserved += s.preserved;
             t.partial_commits += s.partial_commits;
@@ -564,6 +592,7 @@ fn generator_reaches_every_outcome() {
     let t = total.into_inner();
     for (name, n) in [
         ("claims_ok", t.claims_ok),
+        ("invalidations_ok", t.invalidations_ok),
         ("stolen", t.stolen),
         ("preserved", t.preserved),
         ("partial_commits", t.partial_commits),

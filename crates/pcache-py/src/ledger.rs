@@ -131,6 +131,24 @@ impl Ledger {
         Ok(outcome(py, out))
     }
 
+    /// The rows of `slots` on key `key_id` are gone and nothing replaces them (a step that did
+    /// not give the key): versions bumped, slots absent; the outcome is a claim's (stolen
+    /// slots, captured rows to keep aside). Refused as a whole.
+    fn invalidate(
+        &self,
+        py: Python<'_>,
+        slots: &Bound<'_, PyAny>,
+        key_id: u32,
+    ) -> PyResult<ClaimOutcome> {
+        let idx = Indices::extract(slots, "slots")?;
+        let view = idx.slice();
+        let out = detach_for(py, view.len(), || {
+            with_slice!(view, |s| self.inner.lock().invalidate(s, KeyId(key_id)))
+        })
+        .py_err()?;
+        Ok(outcome(py, out))
+    }
+
     /// Claims one step's slots for several tasks at once: the first `counts[0]` slots for
     /// `task_ids[0]`, the next `counts[1]` for `task_ids[1]`, ... Refused as a whole.
     fn claim_many(
