@@ -198,3 +198,28 @@ def test_a_write_by_save_refused_in_its_native_call_is_sticky_and_releases_every
         stats = cache.stats()
         assert stats.staging_holders == [[], []], "every staging page released"
         assert sorted(cache._tasks.states()) == [(0, "FAILED")]
+
+
+def test_a_save_that_fails_after_handing_its_copy_over_leaves_no_copy_into_the_page(monkeypatch) -> None:
+    # A save refused after its CPU copy went to the committer (here: the deferred keys' clone
+    # fails) frees its staging page; a retried save may take that page before the next
+    # begin_step. The refused copy must have landed first, not at that fence, over the new rows.
+    from omni_pcache import copy_engine
+
+    with small_cache(staging_depth=1) as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        clone_step = cache._deferred.clone_step
+
+        def refuse(*args, **kwargs):
+            raise RuntimeError("injected: no device memory for the clone")
+
+        monkeypatch.setattr(copy_engine, "INLINE_COPY_BYTES", 0)  # the copy goes to the committer
+        cache._deferred.clone_step = refuse
+        with pytest.raises(RuntimeError, match="injected"):
+            cache.save(torch.full((4, 2), 7.0), {}, StepBatch(["a"], [4], np.arange(4)))
+        monkeypatch.setattr(copy_engine, "INLINE_COPY_BYTES", 1 << 20)  # the retry copies in save
+        cache._deferred.clone_step = clone_step
+        sid = cache.save(torch.full((4, 2), 1.0), {}, StepBatch(["a"], [4], np.arange(4)))
+        cache.begin_step(StepEvents())  # the fence: the step's rows are read from its page now
+        assert torch.equal(cache.materialize(sid, ["a"]).hidden["a"], torch.full((4, 2), 1.0))
+        assert cache.stats().staging_holders == [[]]

@@ -19,6 +19,7 @@ variable.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
@@ -257,6 +258,7 @@ class PrefixCache:
         keys = self._keys.step_keys(cached, self._make_room)  # (the same key set every step: one lookup)
         specs, immediate, deferred = keys.specs, keys.immediate, keys.deferred
         step_id, page = self._steps.issue()
+        handle: CopyHandle | None = None
         try:
             copy = self._copies.start()
             sources: dict[str, torch.Tensor] = {}
@@ -273,6 +275,9 @@ class PrefixCache:
             handle = copy.finish()
             clones = self._deferred.clone_step(deferred, cached, shape)  # charges only if it returns
         except BaseException as exc:  # a leftover that cannot be copied, no device budget in time, ...
+            if handle is not None:  # its copies into the page land before the page is free again
+                with contextlib.suppress(Exception):  # (a copy that fails leaves the page as undefined)
+                    handle.wait()
             self._steps.abandon(step_id, page)
             if self._failure is not None or isinstance(exc, CacheClosedError):  # every call raises the failure
                 raise self._closed_error("the cache was closed during save") from None

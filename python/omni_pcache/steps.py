@@ -95,8 +95,10 @@ class StepPages:
 
     def abandon(self, step_id: int, page: int) -> None:
         """Undoes a save that raised before claiming any rows (engine thread): its step id is
-        consumed and its staging page released, so a refused save holds nothing. Copies it
-        launched into the page land before any later step's (same stream, or the next fence)."""
+        consumed and its staging page released, so a refused save holds nothing. The caller
+        has waited for the copies it launched into the page (`PrefixCache.save`): a CPU copy
+        handed to the committer would otherwise land at the next fence, over the rows of a
+        later step that took the page."""
         self.ids.consume(step_id)
         self._release_page(page, step_id)
 
