@@ -25,6 +25,7 @@ from omni_pcache import (
     WriteTasks,
     hash_blocks,
 )
+from omni_pcache._native import Deliveries, scatter_rows
 
 
 @pytest.fixture
@@ -254,8 +255,60 @@ def test_a_completion_published_twice_loses_no_other_task() -> None:
     tasks.copy_done_many([first, second])
     tasks.written_many([first, second])
     tasks.complete(first)
-    tasks.complete(first)  # a caller's mistake: the same task published twice
+    with pytest.raises(InvalidInputError, match=rf"task#{first} was already published as complete"):
+        tasks.complete(first)  # a caller's mistake: the same task published twice
     tasks.complete(second)
-    with pytest.raises(InvalidInputError, match=rf"unknown task#{first}"):
-        tasks.reap_completions()
-    assert len(tasks) == 0, "the second task was removed all the same"
+    assert tasks.reap_completions() == [first, second]  # each once, none lost
+    assert len(tasks) == 0
+    early = tasks.create()
+    with pytest.raises(InvalidInputError, match=rf"task#{early} is PENDING and cannot complete"):
+        tasks.complete(early)
+    assert tasks.reap_completions() == [] and tasks.state(early) == "PENDING"
+
+
+def test_task_ids_a_ledger_could_not_report_are_refused(ledger: Ledger) -> None:
+    # A source is reported as a task id >= 0 beside negative pool/absent codes: an id of 2**63
+    # or more would read as one of those codes.
+    before = snapshot(ledger)
+    with pytest.raises(InvalidInputError, match=r"task id 18446744073709551615 is out of range \[0, 2\*\*63\)"):
+        ledger.claim(np.arange(4), 0, 2**64 - 1)
+    with pytest.raises(InvalidInputError, match=r"task id 9223372036854775808 is out of range"):
+        ledger.claim_many(np.arange(4), [2, 2], 0, [1, 2**63])
+    assert snapshot(ledger) == before
+
+
+def test_a_delivery_table_refuses_a_block_size_of_zero() -> None:
+    with pytest.raises(ConfigError, match="block size of at least 1"):
+        Deliveries(0)
+
+
+def test_slots_changed_by_another_thread_during_a_scatter_never_escape_the_check() -> None:
+    # scatter_rows copies without the GIL; the slots it checked are the slots it uses, whatever
+    # another thread writes into the caller's array meanwhile (a typed refusal, or the checked
+    # slots: never a panic or a write outside the pool).
+    n, row_bytes = 50_000, 256
+    pool, rows = np.zeros((n, row_bytes), np.uint8), np.ones((n, row_bytes), np.uint8)
+    good = np.random.default_rng(0).permutation(n).astype(np.int64)
+    slots, stop = good.copy(), threading.Event()
+
+    def scribble() -> None:
+        while not stop.is_set():
+            slots[-1000:] = 10**12
+            slots[-1000:] = good[-1000:]
+
+    thread = threading.Thread(target=scribble)
+    thread.start()
+    outcomes = []
+    try:
+        for _ in range(30):
+            slots[:] = good
+            try:
+                scatter_rows(pool, rows, slots)
+                outcomes.append("written")
+            except InvalidInputError:
+                outcomes.append("refused")
+    finally:
+        stop.set()
+        thread.join()
+    assert set(outcomes) <= {"written", "refused"}
+    assert pool.sum() == pool.size * ("written" in outcomes)  # (only checked slots were written)

@@ -16,7 +16,7 @@
 use std::collections::HashMap;
 
 use crate::block_table::slots_of;
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// One request's rows in one save: its first row in the step, its row count, and how many of
 /// the leading rows its consumer already has (`drop <= count`: not returned again).
@@ -47,12 +47,17 @@ pub struct Deliveries {
 }
 
 impl Deliveries {
-    /// No live request; tables of blocks of `block_size` positions.
-    pub fn new(block_size: u32) -> Self {
-        Self {
+    /// No live request; tables of blocks of `block_size` positions (refused for 0).
+    pub fn new(block_size: u32) -> Result<Self> {
+        if block_size == 0 {
+            return Err(Error::InvalidConfig {
+                what: "a delivery table needs a block size of at least 1".into(),
+            });
+        }
+        Ok(Self {
             block_size,
             live: HashMap::new(),
-        }
+        })
     }
 
     /// Positions per block of the tables this tracker reads.
@@ -138,8 +143,16 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_block_size_of_zero_is_refused() {
+        assert!(matches!(
+            Deliveries::new(0),
+            Err(Error::InvalidConfig { .. })
+        ));
+    }
+
+    #[test]
     fn a_fresh_hit_reads_its_prefix_once_then_gets_each_steps_rows() {
-        let mut d = Deliveries::new(4);
+        let mut d = Deliveries::new(4).unwrap();
         assert!(d.schedule("a", &[7, 2, 5], 8).unwrap());
         let (rows, reads) = d.take_step([("a", 0, 3)]);
         assert_eq!(reads, vec![(0, vec![28, 29, 30, 31, 8, 9, 10, 11])]);
@@ -166,7 +179,7 @@ mod tests {
 
     #[test]
     fn a_resumed_request_gets_neither_a_row_twice_nor_a_gap() {
-        let mut d = Deliveries::new(4);
+        let mut d = Deliveries::new(4).unwrap();
         d.schedule("a", &[0, 1, 2], 0).unwrap();
         d.take_step([("a", 0, 10)]); // delivered [0, 10)
                                      // Preempted, resumed from position 4: rows 4..10 are recomputed but not returned again.
@@ -193,7 +206,7 @@ mod tests {
 
     #[test]
     fn a_span_past_the_table_is_refused_and_changes_nothing() {
-        let mut d = Deliveries::new(4);
+        let mut d = Deliveries::new(4).unwrap();
         assert!(d.schedule("a", &[0], 5).is_err());
         assert!(!d.is_live("a"));
         assert!(!d.finish("a") && d.is_empty());

@@ -90,6 +90,7 @@ impl TaskState {
 
 const STATE_MASK: u64 = 0b111;
 const ESCALATED: u64 = 0b1000;
+const PUBLISHED: u64 = 0b1_0000;
 
 /// A decoded copy of the state word.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -106,6 +107,11 @@ impl Snapshot {
         self.0 & ESCALATED != 0
     }
 
+    /// Whether the task's completion was published (`TaskStateCell::mark_published`).
+    pub fn is_published(self) -> bool {
+        self.0 & PUBLISHED != 0
+    }
+
     fn with_state(self, state: TaskState) -> Snapshot {
         Snapshot((self.0 & !STATE_MASK) | state as u64)
     }
@@ -116,6 +122,7 @@ impl fmt::Debug for Snapshot {
         f.debug_struct("Snapshot")
             .field("state", &self.state())
             .field("escalated", &self.is_escalated())
+            .field("published", &self.is_published())
             .finish()
     }
 }
@@ -260,6 +267,31 @@ impl TaskStateCell {
         });
         result.ok().and(before)
     }
+
+    /// Marks a WRITTEN or FAILED task's completion as published, once: the caller then puts
+    /// it on the completion queue, whose reader forgets each task it drains. Refused (nothing
+    /// changes) for a task not in a terminal state, or already published, which would hand
+    /// the reader one task twice.
+    pub fn mark_published(&self) -> Result<Snapshot> {
+        self.update(|now| {
+            let state = now.state();
+            if !state.is_terminal() {
+                Err(Error::InvalidInput {
+                    what: format!(
+                        "{} is {} and cannot complete (only WRITTEN or FAILED tasks do)",
+                        self.task,
+                        state.name()
+                    ),
+                })
+            } else if now.is_published() {
+                Err(Error::InvalidInput {
+                    what: format!("{} was already published as complete", self.task),
+                })
+            } else {
+                Ok(Snapshot(now.0 | PUBLISHED))
+            }
+        })
+    }
 }
 
 #[cfg(all(test, not(loom)))]
@@ -268,6 +300,20 @@ mod tests {
 
     fn cell() -> TaskStateCell {
         TaskStateCell::new(TaskId(7))
+    }
+
+    #[test]
+    fn a_completion_is_published_once_and_only_from_a_terminal_state() {
+        let c = cell();
+        assert!(c.mark_published().is_err(), "PENDING cannot complete");
+        c.fail().unwrap();
+        assert!(c.mark_published().unwrap().is_published());
+        let twice = c.mark_published().unwrap_err();
+        assert_eq!(
+            twice.to_string(),
+            "invalid input: task#7 was already published as complete"
+        );
+        assert_eq!(c.load().state(), TaskState::Failed);
     }
 
     #[test]

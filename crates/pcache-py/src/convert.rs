@@ -6,14 +6,17 @@ use pyo3::prelude::*;
 use crate::errors::invalid_input;
 
 /// A 1-D integer index array borrowed from Python without copying (int64 or int32, as torch
-/// and numpy produce them). Non-contiguous arrays are copied once.
+/// and numpy produce them). Non-contiguous arrays are copied once, and so are arrays of
+/// [`DETACH_AT`] indices or more, which calls read with the GIL released: another Python thread
+/// could otherwise write the caller's array between a call's checks and its use of the indices
+/// (numpy's borrow flags bind Rust code only), turning a checked index into an unchecked one.
 pub enum Indices<'py> {
     I64(PyReadonlyArray1<'py, i64>),
     I32(PyReadonlyArray1<'py, i32>),
     Owned(Vec<i64>),
 }
 
-/// A slice view of [`Indices`], safe to use with the GIL released.
+/// A slice view of [`Indices`], safe to use with the GIL released (see [`Indices`]).
 #[derive(Clone, Copy)]
 pub enum IndexSlice<'a> {
     I64(&'a [i64]),
@@ -94,7 +97,7 @@ impl<'py> Indices<'py> {
         a: PyReadonlyArray1<'py, T>,
         wrap: impl FnOnce(PyReadonlyArray1<'py, T>) -> Indices<'py>,
     ) -> Indices<'py> {
-        if a.is_contiguous() {
+        if a.is_contiguous() && a.len() < DETACH_AT {
             wrap(a)
         } else {
             Indices::Owned(a.as_array().iter().map(|&v| v.into()).collect())

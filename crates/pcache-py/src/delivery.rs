@@ -103,11 +103,12 @@ impl Deliveries {
 
 #[pymethods]
 impl Deliveries {
+    /// Raises `ConfigError` for a block size of 0.
     #[new]
-    fn new(block_size: u32) -> Self {
-        Self {
-            inner: pcache_core::delivery::Deliveries::new(block_size),
-        }
+    fn new(block_size: u32) -> PyResult<Self> {
+        Ok(Self {
+            inner: pcache_core::delivery::Deliveries::new(block_size).py_err()?,
+        })
     }
 
     /// Whether the request is live.

@@ -6,7 +6,7 @@ use pcache_core::{KeyId, ReadId, TaskId};
 use pyo3::prelude::*;
 
 use crate::convert::{detach_for, int_array, uint_array, with_slice, Indices};
-use crate::errors::IntoPy;
+use crate::errors::{invalid_input, IntoPy};
 
 /// An int64 numpy array handed to Python.
 type IntArray = Py<PyArray1<i64>>;
@@ -95,6 +95,17 @@ impl Ledger {
     }
 }
 
+/// A task id a claim may take: below 2**63, since the ledger reports a task as the source of
+/// a row by its id as a non-negative int64, beside the negative pool and absent codes.
+fn claiming_task(task_id: u64) -> PyResult<TaskId> {
+    if task_id > i64::MAX as u64 {
+        return Err(invalid_input(format!(
+            "task id {task_id} is out of range [0, 2**63)"
+        )));
+    }
+    Ok(TaskId(task_id))
+}
+
 #[pymethods]
 impl Ledger {
     /// A ledger of `num_slots` slots (`num_blocks * block_size`); zero raises `ConfigError`.
@@ -120,12 +131,9 @@ impl Ledger {
     ) -> PyResult<ClaimOutcome> {
         let idx = Indices::extract(slots, "slots")?;
         let view = idx.slice();
+        let task = claiming_task(task_id)?;
         let out = detach_for(py, view.len(), || {
-            with_slice!(view, |s| self.inner.lock().claim(
-                s,
-                KeyId(key_id),
-                TaskId(task_id)
-            ))
+            with_slice!(view, |s| self.inner.lock().claim(s, KeyId(key_id), task))
         })
         .py_err()?;
         Ok(outcome(py, out))
@@ -161,7 +169,10 @@ impl Ledger {
     ) -> PyResult<ClaimOutcome> {
         let idx = Indices::extract(slots, "slots")?;
         let view = idx.slice();
-        let tasks: Vec<TaskId> = task_ids.into_iter().map(TaskId).collect();
+        let tasks: Vec<TaskId> = task_ids
+            .into_iter()
+            .map(claiming_task)
+            .collect::<PyResult<_>>()?;
         let out = detach_for(py, view.len(), || {
             with_slice!(view, |s| self.inner.lock().claim_many(
                 s,
@@ -202,7 +213,10 @@ impl Ledger {
 
     /// Commits several tasks in order, stopping at the first error. Returns slots committed.
     fn commit_many(&self, task_ids: Vec<u64>) -> PyResult<usize> {
-        let tasks: Vec<TaskId> = task_ids.into_iter().map(TaskId).collect();
+        let tasks: Vec<TaskId> = task_ids
+            .into_iter()
+            .map(claiming_task)
+            .collect::<PyResult<_>>()?;
         self.inner.lock().commit_many(&tasks).py_err()
     }
 

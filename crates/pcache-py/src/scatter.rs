@@ -48,13 +48,11 @@ pub fn scatter_rows(
         )));
     }
     let indices = Indices::extract(slots, "slots")?;
-    let wide: Vec<i64>;
-    let slots: &[i64] = match indices.slice() {
-        IndexSlice::I64(s) => s,
-        IndexSlice::I32(s) => {
-            wide = s.iter().map(|&v| i64::from(v)).collect();
-            &wide
-        }
+    // (an owned copy, whatever its length: the copy below runs without the GIL, and the slots
+    // are checked once and then used, so another thread must not be able to change them between)
+    let slots: Vec<i64> = match indices.slice() {
+        IndexSlice::I64(s) => s.to_vec(),
+        IndexSlice::I32(s) => s.iter().map(|&v| i64::from(v)).collect(),
     };
     // Borrow-checked: the same array twice, overlapping views of one array or a read-only
     // pool are refused here (as InvalidInputError, not a panic).
@@ -66,7 +64,7 @@ pub fn scatter_rows(
         .map_err(|err| invalid_input(format!("scatter_rows: pool: {err}")))?;
     let rows = rows.as_slice().expect("checked C-contiguous");
     let pool = pool.as_slice_mut().expect("checked C-contiguous");
-    py.detach(|| pcache_core::row_scatter::scatter_rows(pool, rows, row_bytes, slots))
+    py.detach(|| pcache_core::row_scatter::scatter_rows(pool, rows, row_bytes, &slots))
         .map_err(|err| invalid_input(format!("scatter_rows: {err}")))
 }
 

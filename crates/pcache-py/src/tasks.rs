@@ -7,7 +7,7 @@ use pcache_core::{
 use pyo3::prelude::*;
 
 use crate::convert::int_array;
-use crate::errors::{invalid_input, IntoPy};
+use crate::errors::IntoPy;
 
 /// Write tasks and their queues. Any thread; state changes are lock-free compare-and-swaps.
 #[pyclass(frozen, module = "omni_pcache._native")]
@@ -223,17 +223,11 @@ impl WriteTasks {
         self.transition(task_id, TaskStateCell::fail)
     }
 
-    /// Publishes a WRITTEN or FAILED task on the completion queue.
+    /// Publishes a WRITTEN or FAILED task on the completion queue, once (a second publication
+    /// is refused: the reader forgets each task it drains).
     fn complete(&self, task_id: u64) -> PyResult<()> {
         let task = self.table.get(TaskId(task_id)).py_err()?;
-        let state = task.state().load().state();
-        if !state.is_terminal() {
-            return Err(invalid_input(format!(
-                "{} is {} and cannot complete (only WRITTEN or FAILED tasks do)",
-                task.id(),
-                state.name()
-            )));
-        }
+        task.state().mark_published().py_err()?;
         self.queues.complete(task.id());
         Ok(())
     }
