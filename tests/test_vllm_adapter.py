@@ -135,6 +135,8 @@ def test_gate_sizes_the_cache_from_vllm() -> None:
             {"staging_capacity_tokens": 256},
             "must hold a whole step: at least scheduler_config.max_num_batched_tokens=512",
         ),
+        # a misspelled option (was a raw TypeError from CacheConfig)
+        ({"staging_dept": 8}, r"unknown cache options \['staging_dept'\]; the cache takes \[.*'staging_depth'"),
     ],
 )
 def test_gate_refuses_cache_options_that_contradict_vllm(options, message) -> None:
@@ -315,6 +317,19 @@ def test_tracker_refuses_several_kv_groups() -> None:
         BlockTracker().update(so_of(new=[req], counts={"a": 1}))
 
 
+def test_tracker_refuses_a_malformed_scheduler_output_and_changes_nothing() -> None:
+    t = BlockTracker()
+    t.update(so_of(new=[new_req("a", [1])], counts={"a": 4}))
+    short = cached([("a", [2], 4)])
+    short.new_block_ids.append(([3],))  # one list more than req_ids (was a raw ValueError)
+    with pytest.raises(InvalidInputError, match="1 req_ids, 2 new_block_ids and 1 num_computed_tokens"):
+        t.update(so_of(cached=short, counts={"a": 1}))
+    flat = v.NewRequestData("b", [1], [], None, None, [7], 0, None)  # not one list per group (a raw TypeError)
+    with pytest.raises(InvalidInputError, match=r"'b': block ids must be one list of ids per KV-cache group"):
+        t.update(so_of(new=[flat], counts={"b": 1}))
+    assert list(t) == ["a"] and t.blocks("a") == [1]
+
+
 # ---- slot mapping --------------------------------------------------------------------------------
 
 
@@ -344,6 +359,15 @@ def test_slot_mapping_of_a_zero_count_row_needs_no_block() -> None:
 def test_slot_mapping_refuses_a_short_block_list() -> None:
     with pytest.raises(InvalidInputError, match="need 3 blocks of 4 but the request has 2"):
         slot_mapping([[5, 6]], np.array([6]), np.array([4]), 4)
+
+
+@pytest.mark.parametrize("counts", [[1, 1], [1, 2]], ids=["decode", "prefill"])
+def test_slot_mapping_refuses_a_negative_position_and_a_block_id_that_is_not_an_int(counts) -> None:
+    # (a negative position would index the block list from its end: another request's slot)
+    with pytest.raises(InvalidInputError, match="row 1: its first position is -4; positions start at 0"):
+        slot_mapping([[5, 6], [7, 8]], np.array([0, -4]), np.array(counts), 4)
+    with pytest.raises(InvalidInputError, match="block lists must hold int block ids"):
+        slot_mapping([[5, 6], ["x", 8]], np.array([0, 0]), np.array(counts), 4)
 
 
 def test_step_batch_checks_the_rows_against_the_scheduler_output() -> None:

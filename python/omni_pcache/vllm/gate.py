@@ -15,6 +15,7 @@ never imports vLLM. Contract:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -207,6 +208,10 @@ def cache_config_from_vllm(
         raise ConfigError(
             f"cache options {from_vllm} are set from vLLM's KV cache config (the cache mirrors its blocks); drop them"
         )
+    options = {f.name for f in dataclasses.fields(CacheConfig) if f.init} - {"num_blocks", "block_size"}
+    unknown = sorted(cache_options.keys() - options)
+    if unknown:
+        raise ConfigError(f"unknown cache options {unknown}; the cache takes {sorted(options)}")
     staging = cache_options.pop("staging_capacity_tokens", int(max_tokens))
     if not isinstance(staging, int) or staging < int(max_tokens):
         raise ConfigError(

@@ -32,6 +32,11 @@ def _group0(block_ids: Any, req_id: str) -> list[int] | None:
     """The single KV group's block ids out of vLLM's per-group tuple (``None`` stays ``None``)."""
     if block_ids is None:
         return None
+    if not isinstance(block_ids, Sequence) or not all(isinstance(g, Sequence) for g in block_ids):
+        raise InvalidInputError(
+            f"request {req_id!r}: block ids must be one list of ids per KV-cache group (a tuple of lists), "
+            f"got {block_ids!r}"
+        )
     if len(block_ids) != 1:
         raise ConfigError(
             f"request {req_id!r} has block ids for {len(block_ids)} KV-cache groups; the cache serves exactly "
@@ -72,6 +77,12 @@ class BlockTracker:
         preempted = set(getattr(so, "preempted_req_ids", None) or ())
         # Check everything before changing anything.
         new_lists = [(req.req_id, _group0(req.block_ids, req.req_id)) for req in so.scheduled_new_reqs]
+        lengths = (len(cached.req_ids), len(cached.new_block_ids), len(cached.num_computed_tokens))
+        if len(set(lengths)) != 1:
+            raise InvalidInputError(
+                "SchedulerOutput.scheduled_cached_reqs has {} req_ids, {} new_block_ids and {} "
+                "num_computed_tokens: one of each per request".format(*lengths)
+            )
         cached_lists = list(zip(cached.req_ids, cached.new_block_ids, strict=True))
         gone = finished | preempted
         get = self._blocks.get

@@ -61,7 +61,10 @@ def _short_list_error(block_lists, starts: np.ndarray, counts: np.ndarray, block
         return InvalidInputError(f"{len(block_lists)} block lists for {len(starts)} starts and {len(counts)} counts")
     needed = np.where(counts > 0, (starts + counts - 1) // block_size + 1, 0)
     lengths = np.fromiter(map(len, block_lists), dtype=np.int64, count=len(block_lists))
-    i = int(np.flatnonzero(needed > lengths)[0])
+    short = np.flatnonzero(needed > lengths)
+    if not short.size:  # (every list is long enough: an entry that is not a block id)
+        return InvalidInputError("block lists must hold int block ids")
+    i = int(short[0])
     return InvalidInputError(
         f"row {i}: positions [{int(starts[i])}, {int(starts[i] + counts[i])}) need {int(needed[i])} blocks "
         f"of {block_size} but the request has {int(lengths[i])}"
@@ -73,12 +76,16 @@ def slot_mapping(
 ) -> np.ndarray:
     """Slots of positions ``[starts[i], starts[i] + counts[i])`` under ``block_lists[i]``, concatenated
     (int64). Only the blocks those positions touch are gathered, so a decode step costs O(1) per
-    request whatever its length. Raises `InvalidInputError` when a list is too short."""
+    request whatever its length. Raises `InvalidInputError` for a negative start, a list too
+    short for its positions, or an entry that is not a block id."""
     starts = np.asarray(starts, dtype=np.int64)
     counts = np.asarray(counts, dtype=np.int64)
     n = int(counts.sum())
     if n == 0:
         return np.empty(0, dtype=np.int64)
+    if starts.min() < 0:  # (a negative position would index a block list from its end)
+        i = int(np.flatnonzero(starts < 0)[0])
+        raise InvalidInputError(f"row {i}: its first position is {int(starts[i])}; positions start at 0")
     first = starts // block_size
     try:
         if n == len(block_lists) and not (counts - 1).any():  # decode: one token per request
