@@ -48,6 +48,7 @@ loom:
 bench: setup develop
     bash scripts/setup-bench.sh
     cargo bench -p pcache-core --bench core
+    python benches/core_results.py
     python benches/save_overhead.py
     .venv-bench/bin/python benches/step_overhead.py
     python benches/hashing.py

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -20,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from _common import command, machine, write
 from omni_pcache import CacheConfig, NewRequest, PrefixCache, StepBatch, StepEvents
 
 BLOCK = 16
@@ -159,14 +158,16 @@ def memcpy_us(tokens: int, width: int, dtype: torch.dtype, repeat: int = 30) -> 
     return statistics.median(times) * 1e6
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--quick", action="store_true", help="a few steps per case (smoke test)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per case (default 300; quick 12)")
     parser.add_argument(
         "--forward-ms", type=float, default=0.0, help="torch work per step standing in for the forward (GIL released)"
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "save_overhead.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    args.steps = args.steps or (12 if args.quick else 300)
     torch.set_num_threads(1)
     rows = []
     for label, width, dtype, inline_write_bytes in (
@@ -178,12 +179,13 @@ def main() -> None:
     ):
         us = engine_thread_step_us(8, 64, width, dtype, args.steps, args.forward_ms, inline_write_bytes)
         rows.append({"case": f"8 req x 64 tok, {label}", "engine_thread_us": us})
-    big_steps = max(20, args.steps // 10)
+    big_steps = 3 if args.quick else max(20, args.steps // 10)
     big = engine_thread_step_us(1, 8192, 2048, torch.bfloat16, big_steps, args.forward_ms)
-    copy = memcpy_us(8192, 2048, torch.bfloat16)
+    copy = memcpy_us(8192, 2048, torch.bfloat16, repeat=3 if args.quick else 30)
     rows.append({"case": "1 req x 8192 tok, bf16 width 2048", "engine_thread_us": big, "memcpy_us": copy})
     for num_reqs in (64, 256):
-        us, materialize = decode_step_us(num_reqs, 2048, torch.bfloat16, max(40, args.steps // 3), args.forward_ms)
+        decode_steps = 4 if args.quick else max(40, args.steps // 3)
+        us, materialize = decode_step_us(num_reqs, 2048, torch.bfloat16, decode_steps, args.forward_ms)
         rows.append(
             {
                 "case": f"decode {num_reqs} req x 1 tok, bf16 width 2048",
@@ -200,9 +202,18 @@ def main() -> None:
         if "materialize_us" in row:
             extra = f"  materialize {row['materialize_us']:>7.1f} us"
         print(f"{row['case']:<52} begin_step+save {row['engine_thread_us']:>9.1f} us{extra}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    machine = f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} torch thread(s)"
-    args.out.write_text(json.dumps({"machine": machine, "forward_ms": args.forward_ms, "results": rows}, indent=2))
+    write(
+        args.out,
+        {
+            "bench": "save_overhead",
+            "machine": machine(),
+            "torch_threads": torch.get_num_threads(),
+            "command": command(),
+            "quick": args.quick,
+            "forward_ms": args.forward_ms,
+            "results": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

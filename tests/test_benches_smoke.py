@@ -97,6 +97,40 @@ def test_cold_floor(tmp_path: Path) -> None:
         assert row["cache_over_fewest"] > 0
 
 
+def test_save_overhead(tmp_path: Path) -> None:
+    doc = run_bench("save_overhead", tmp_path / "s.json")
+    assert len(doc["results"]) == 6
+    for row in doc["results"]:
+        assert row["engine_thread_us"] > 0
+    assert doc["results"][3]["memcpy_us"] > 0 and doc["results"][5]["materialize_us"] > 0
+
+
+def test_core_results_reads_criterions_estimates(tmp_path: Path) -> None:
+    bench = tmp_path / "criterion" / "ledger" / "claim_commit_16k" / "new"
+    bench.mkdir(parents=True)
+    meta = {"full_id": "ledger/claim_commit_16k", "throughput": {"Elements": 16384}}
+    median = {"point_estimate": 65536.0, "confidence_interval": {"lower_bound": 60000.0, "upper_bound": 70000.0}}
+    (bench / "benchmark.json").write_text(json.dumps(meta))
+    (bench / "estimates.json").write_text(json.dumps({"median": median}))
+    out = tmp_path / "core.json"
+    script = [sys.executable, str(ROOT / "benches" / "core_results.py"), "--out", str(out)]
+    proc = subprocess.run([*script, "--criterion-dir", str(tmp_path / "criterion")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["machine"] and doc["command"] == "cargo bench -p pcache-core --bench core"
+    assert doc["results"] == [
+        {
+            "bench": "ledger/claim_commit_16k",
+            "median_ns": 65536.0,
+            "median_ci95_ns": [60000.0, 70000.0],
+            "elements": 16384,
+            "ns_per_element": 4.0,
+        }
+    ]
+    empty = subprocess.run([*script, "--criterion-dir", str(tmp_path / "none")], capture_output=True, text=True)
+    assert empty.returncode == 1 and "no criterion estimates" in empty.stdout
+
+
 def test_gpu_bench_without_cuda_exits_zero(tmp_path: Path) -> None:
     if __import__("torch").cuda.is_available():
         pytest.skip("has CUDA: `just gpu-check` runs the real bench")

@@ -125,14 +125,47 @@ def test_a_late_read_of_deferred_rows_their_own_request_recomputes_gets_the_capt
         check(cache.materialize(late, ["c"]), "c", (3, 0, 4), (4, 4, 1))  # the newest tenant's rows
 
 
-def test_close_wakes_a_save_waiting_for_device_budget() -> None:
-    step_bytes = 4 * 2 * 8
-    with small_cache(policy=DEFERRED, device_budget_bytes=step_bytes, inline_write_bytes=0, claim_timeout_s=3) as cache:
-        gate = threading.Event()  # the committer cannot write a's rows: b's save waits for room
+def test_rows_captured_from_a_deferred_record_still_in_transit_are_kept_from_its_clone() -> None:
+    # As above, with the committer held: when a's recompute claims block 0, a's codes are in
+    # its flushed record (not written: only in the device clone) and its hidden rows in a
+    # queued write. b's late read must get both as captured: the codes copied aside from the
+    # clone at the claim, the hidden rows owed by the write when it lands.
+    with small_cache(policy=DEFERRED, inline_write_bytes=0) as cache:
+        gate = threading.Event()
         write = cache._writer.write_batch
         cache._writer.write_batch = lambda records: (gate.wait(10), write(records))
+        filled: list[str] = []
+        fill = cache._preserved.fill
+        cache._preserved.fill = lambda key, *args: (filled.append(key), fill(key, *args))[1]
+        cache.materialize(save(cache, [("a", [0], 0, 4, 1)], new=[NewRequest("a", [0])]), ["a"])
+        hit = save(cache, [("b", [0, 1], 4, 4, 2)], new=[NewRequest("b", [0, 1], 4)])
+        again = save(cache, [("a", [0], 0, 4, 3)], resumed=[ResumedRequest("a", [0], 0)])
+        assert filled == ["codes"], "a's codes rows are kept from the clone at the claim; hidden waits for its write"
+        gate.set()
+        check(cache.materialize(hit, ["b"]), "b", (1, 0, 4), (2, 4, 4))
+        assert cache.stats().rows_preserved == 8  # 4 hidden rows owed by the write, 4 codes rows
+        cache.discard(again)
+        cache.begin_step(StepEvents(finished=["a", "b"]))
+        cache.flush()
+        late = save(cache, [("c", [0, 2], 4, 1, 4)], new=[NewRequest("c", [0, 2], 4)])
+        check(cache.materialize(late, ["c"]), "c", (3, 0, 4), (4, 4, 1))
+
+
+def test_close_wakes_a_save_waiting_for_device_budget() -> None:
+    step_bytes = 4 * 2 * 8
+    # (a long claim timeout: a save that close failed to wake would wait it out, and be caught)
+    with small_cache(
+        policy=DEFERRED, device_budget_bytes=step_bytes, inline_write_bytes=0, claim_timeout_s=60
+    ) as cache:
+        gate = threading.Event()  # the committer cannot write a's rows: b's save waits for room
+        write = cache._writer.write_batch
+        cache._writer.write_batch = lambda records: (gate.wait(60), write(records))
         cache.discard(save(cache, [("a", [0], 0, 4, 1)], new=[NewRequest("a", [0])]))
         raised: list[BaseException] = []
+        waiting = threading.Event()
+        budget = cache._deferred.budget
+        wait_for_room = budget.wait_for_room
+        budget.wait_for_room = lambda *args: (waiting.set(), wait_for_room(*args))[1]
 
         def engine_thread() -> None:
             try:
@@ -143,11 +176,11 @@ def test_close_wakes_a_save_waiting_for_device_budget() -> None:
 
         thread = threading.Thread(target=engine_thread)
         thread.start()
-        deadline = time.monotonic() + 10
-        while cache.stats().deferred_open and time.monotonic() < deadline:
-            time.sleep(0.001)  # b's save flushed a's record to make room: it waits for the write
+        assert waiting.wait(10)  # b's save flushed a's record to make room and waits for its write
+        time.sleep(0.05)  # (into the wait itself)
         cache.close()  # from another thread
-        thread.join()
+        thread.join(10)
+        assert not thread.is_alive(), "close did not wake the save waiting for device budget"
         assert [type(exc) for exc in raised] == [CacheClosedError], raised
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import vllm_standins as v
-from omni_pcache import CacheConfig, CachePolicy, ConfigError, InvalidInputError, PrefixCache
+from omni_pcache import CacheConfig, CachePolicy, ConfigError, InvalidInputError, PrefixCache, StepIdError
 from omni_pcache.vllm import (
     BlockTracker,
     NoOpCache,
@@ -436,6 +436,25 @@ def test_the_mixin_does_nothing_without_a_cache() -> None:
     runner.pcache_discard(None)
     assert runner.pcache is None and runner.pcache_stats() is None
     runner.pcache_shutdown()
+
+
+def test_a_step_id_kept_across_a_kv_cache_re_init_is_refused_before_and_after_the_first_step() -> None:
+    runner = Runner("scheduler", "inline")
+    assert runner.pcache_init(**stage_configs(T), is_last_pipeline_stage=True, tensor_parallel_rank=0)
+    try:
+        so = scheduler_output(T, RECORDED[0])
+        runner.pcache_begin_step(so)
+        kept = runner.pcache_save(torch.zeros(18, 4), {}, so, ["A", "E"])
+        assert runner.pcache_init(**stage_configs(T), is_last_pipeline_stage=True, tensor_parallel_rank=0)
+        # (before, the hooks returned None and did nothing until the new cache was built)
+        for hook in (lambda: runner.pcache_materialize(kept, ["A", "E"]), lambda: runner.pcache_discard(kept)):
+            with pytest.raises(StepIdError, match=rf"step#{kept} was never issued: this stage has no cache running"):
+                hook()
+        runner.pcache_begin_step(scheduler_output(T, RECORDED[0]))
+        with pytest.raises(StepIdError, match=rf"step#{kept} was never issued"):
+            runner.pcache_materialize(kept, ["A", "E"])
+    finally:
+        runner.pcache_shutdown()
 
 
 def test_the_mixin_discards_and_fixes_the_policy_at_the_first_step() -> None:

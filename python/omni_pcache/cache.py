@@ -445,7 +445,8 @@ class PrefixCache:
         A request with a hit gets its cached prefix rows followed by this step's rows; a miss
         gets this step's rows. The requests' tensors of a key are slices of one new host tensor
         (one per chunk of `outputs.OUTPUT_CHUNK_BYTES`); every returned tensor is the caller's
-        to keep or write. Raises
+        to keep or write (a leftover passed whole is one snapshot shared by the step's
+        requests). Raises
         `UnservableHitError` for rows that cannot be served, `StepIdError` for a consumed or
         unknown id, `InvalidInputError` for a request that was not in the step, or for
         ``req_ids`` that is not a sequence of ids (a single str, ``None``), holds an unhashable

@@ -34,7 +34,7 @@ from omni_pcache.stats import Counters
 OUTPUT_CHUNK_BYTES = 16 << 20
 """Most bytes per key of one output chunk (see the module docstring). glibc hands an allocation
 of up to 32 MiB back from memory it already touched once one such was freed; a larger one is a
-fresh mapping that pays a page fault per 4 KiB it is written (measured: one 42 MiB output per
+fresh mapping that pays a page fault per 4 KiB it is written (measured: one 42 MB output per
 key at 8,192 tokens made materialize 2x slower than per-request tensors of ~6 MiB)."""
 
 

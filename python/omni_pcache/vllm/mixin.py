@@ -31,7 +31,7 @@ from typing import Any
 
 from omni_pcache.cache import PrefixCache
 from omni_pcache.config import CacheConfig, CachePolicy
-from omni_pcache.errors import ConfigError
+from omni_pcache.errors import ConfigError, StepIdError
 from omni_pcache.events import StepOutputs
 from omni_pcache.stats import CacheStats
 from omni_pcache.vllm.gate import cache_config_from_vllm
@@ -156,17 +156,27 @@ class PrefixCacheRunnerMixin:
         return state.cache.save(hidden, mm, batch)
 
     def pcache_materialize(self, step_id: int | None, req_ids: Sequence[str]) -> StepOutputs | None:
-        """Per-request full-sequence outputs of a saved step (any thread); ``None`` for ``None``."""
-        state = self._pcache_state
-        if step_id is None or state is None or state.cache is None:
+        """Per-request full-sequence outputs of a saved step (any thread); ``None`` for ``None``.
+        Raises `StepIdError` for an id no present cache issued (one kept across a re-init)."""
+        if step_id is None:
             return None
-        return state.cache.materialize(step_id, req_ids)
+        return self._pcache_issuer(step_id).materialize(step_id, req_ids)
 
     def pcache_discard(self, step_id: int | None) -> None:
-        """Consumes a step id whose outputs nobody needs (any thread)."""
+        """Consumes a step id whose outputs nobody needs (any thread); as `pcache_materialize`."""
+        if step_id is not None:
+            self._pcache_issuer(step_id).discard(step_id)
+
+    def _pcache_issuer(self, step_id: int) -> PrefixCache | NoOpCache:
+        """The cache that may have issued ``step_id``: none before the first step after a
+        (re-)init, or for a stage without a cache, so an id kept from an earlier cache is
+        refused there as the new cache would refuse it, never passed over silently."""
         state = self._pcache_state
-        if step_id is not None and state is not None and state.cache is not None:
-            state.cache.discard(step_id)
+        if state is None or state.cache is None:
+            err = StepIdError(f"step#{step_id} was never issued: this stage has no cache running yet (or at all)")
+            err.step_id, err.outstanding = step_id, []
+            raise err
+        return state.cache
 
     def pcache_stats(self) -> CacheStats | None:
         """The cache's counters, ``None`` when there is no cache."""
