@@ -282,9 +282,6 @@ class PrefixCache:
             if self._failure is not None or isinstance(exc, CacheClosedError):  # every call raises the failure
                 raise self._closed_error("the cache was closed during save") from None
             raise
-        registered = self._keys.specs
-        # Keys cached before that this step does not give: its positions have no rows of them.
-        omitted = () if len(registered) == len(cached) else tuple(registered[k] for k in registered if k not in cached)
         if deferred and self._deferred.open:  # (a request's open record holds one key set)
             flushed = self._deferred.close_other_keys(shape.claim_req_ids, deferred)
             if flushed:
@@ -296,7 +293,7 @@ class PrefixCache:
             now = self._write_here(shape.n, keys, sources, handle) and self._committer.hold_writer()
             try:
                 task_ids, from_pool, from_deferred = self._claims.claim(
-                    step_id, page, shape, immediate, deferred, handle, clones, queued=not now, omitted=omitted
+                    step_id, page, shape, immediate, deferred, handle, clones, not now, keys.omitted
                 )
             except CacheClosedError:  # (claims fail only when the cache failed or closed meanwhile)
                 raise self._closed_error("the cache was closed during save") from None

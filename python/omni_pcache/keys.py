@@ -45,14 +45,17 @@ class KeySpec:
 class StepKeys:
     """A step's cached keys as save uses them: all of them (in classification order), the
     immediate ones (staged and written with the step) and the deferred ones, with the
-    immediate rows' total width and the widest row. Made once per key set
-    (`KeyRegistry.step_keys`); every step with the same keys shares it."""
+    immediate rows' total width and the widest row, and the registered keys it leaves out.
+    Made once per key set (`KeyRegistry.step_keys`); every step with the same keys shares it."""
 
     specs: tuple[KeySpec, ...]
     immediate: tuple[KeySpec, ...]
     deferred: tuple[KeySpec, ...]
     immediate_row_bytes: int  # bytes of one row of every immediate key
     max_row_bytes: int  # the widest row of any key (0 without keys)
+    # Keys registered before that these are not (a step that leaves them out has no rows of
+    # them): current, since registering a key drops every `StepKeys` made before it.
+    omitted: tuple[KeySpec, ...] = ()
 
 
 def _what(name: str) -> str:
@@ -99,6 +102,7 @@ class KeyRegistry:
         if spec is None:
             spec = KeySpec(name, tuple(value.shape[1:]), value.dtype, self._add_key())
             self._specs[name] = spec
+            self._step_keys.clear()  # (their `omitted` keys are made again with this one)
         return spec
 
     def classify(
@@ -160,6 +164,7 @@ class KeyRegistry:
             tuple(spec for spec in specs if spec.name in deferred_names),
             sum(spec.row_bytes for spec in immediate),
             max((spec.row_bytes for spec in specs), default=0),
+            tuple(spec for name, spec in self._specs.items() if name not in cached),
         )
         prepare(keys)
         self._step_keys[names] = keys
