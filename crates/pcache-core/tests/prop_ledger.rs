@@ -329,26 +329,25 @@ fn count_error(stats: &mut Stats, err: &Error) {
 
 fn apply(ledger: &mut Ledger, model: &mut Model, op: &Op, stats: &mut Stats) {
     match op {
-        Op::Claim { slots, key, task } => {
-            let got = ledger.claim(slots, KeyId(*key), TaskId(*task));
-            let want = model.claim(slots, *key, *task);
-            assert_eq!(got, want, "claim({slots:?}, key#{key}, task#{task})");
+        Op::Claim { .. } | Op::Invalidate { .. } => {
+            let (got, want) = match op {
+                Op::Claim { slots, key, task } => (
+                    ledger.claim(slots, KeyId(*key), TaskId(*task)),
+                    model.claim(slots, *key, *task),
+                ),
+                Op::Invalidate { slots, key } => (
+                    ledger.invalidate(slots, KeyId(*key)),
+                    model.invalidate(slots, *key),
+                ),
+                _ => unreachable!(),
+            };
+            assert_eq!(got, want, "{op:?}");
             match &got {
                 Ok(out) => {
-                    stats.claims_ok += 1;
-                    stats.stolen += out.stolen_slots.len();
-                    stats.preserved += out.preserve_slots.len();
-                }
-                Err(e) => count_error(stats, e),
-            }
-        }
-        Op::Invalidate { slots, key } => {
-            let got = ledger.invalidate(slots, KeyId(*key));
-            let want = model.invalidate(slots, *key);
-            assert_eq!(got, want, "invalidate({slots:?}, key#{key})");
-            match &got {
-                Ok(out) => {
-                    stats.invalidations_ok += 1;
+                    match op {
+                        Op::Claim { .. } => stats.claims_ok += 1,
+                        _ => stats.invalidations_ok += 1,
+                    }
                     stats.stolen += out.stolen_slots.len();
                     stats.preserved += out.preserve_slots.len();
                 }
