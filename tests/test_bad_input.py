@@ -25,7 +25,7 @@ from omni_pcache import (
     WriteTasks,
     hash_blocks,
 )
-from omni_pcache._native import Deliveries, scatter_rows
+from omni_pcache._native import Deliveries, block_slots, block_table, scatter_rows
 
 
 @pytest.fixture
@@ -190,11 +190,17 @@ def test_hash_bad_input() -> None:
     for size in (-1, "2", True):
         with pytest.raises(InvalidInputError, match=rf"block_size must be 1 to 16777216 tokens, got {size!r}"):
             hash_blocks([1, 2], size)
-    for parent in (-1, 2**128, "x"):
+    for parent in (-1, 2**128, "x", True):
         with pytest.raises(InvalidInputError, match=r"parent must be a block hash \(an int in \[0, 2\*\*128\)\)"):
             hash_blocks([1, 2], 2, parent=parent)
-    with pytest.raises(InvalidInputError, match="extra_keys must hold one bytes or None per full block"):
-        hash_blocks([1, 2], 2, extra_keys=["a"])
+    # extra keys are bytes or None: a str, or a tuple of ints that would read as bytes, is refused
+    for key in ("a", (104, 105), [104, 105], np.array([104, 105])):
+        with pytest.raises(InvalidInputError, match="extra_keys must be a list of bytes or None, one per full block"):
+            hash_blocks([1, 2], 2, extra_keys=[key])
+    assert hash_blocks([1, 2], 2, extra_keys=[bytearray(b"hi")]) == hash_blocks([1, 2], 2, extra_keys=[b"hi"])
+    # the ids of the trailing partial block are checked too (it is not hashed)
+    with pytest.raises(InvalidInputError, match="token id -1 at position 2 is outside"):
+        hash_blocks([1, 2, -1], 2)
     with pytest.raises(InvalidInputError, match="extra_keys must be a sequence, got the single b'a'"):
         hash_blocks([1, 2], 2, extra_keys=b"a")
     # (an iterator of extra keys is read once, as a list would be)
@@ -218,6 +224,29 @@ def test_block_tables_refuse_what_is_not_a_list_of_block_ids(blocks, message) ->
 
     with pytest.raises(InvalidInputError, match=message):
         block_table(blocks, 8)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: block_slots(np.array([1]), -1, 2, 4), r"start must be an int in \[0, 9223372036854775807\], got -1"),
+        (lambda: block_slots(np.array([1]), "0", 2, 4), r"start must be an int in \[0, .*\], got '0'"),
+        (lambda: block_slots(np.array([1]), 0, 2, 2**32), r"block_size must be an int in \[0, 4294967295\]"),
+        (lambda: block_slots(np.array([1]), 0, 2, True), r"block_size must be an int .*, got True"),
+        (lambda: block_table([1], -1), r"num_blocks must be an int in \[0, 4294967295\], got -1"),
+        (lambda: block_table([0], True), r"num_blocks must be an int .*, got True"),
+    ],
+)
+def test_block_table_arguments_of_the_wrong_type_or_range_are_typed_errors(call, message) -> None:
+    # (were PyO3's bare OverflowError/TypeError, and a bool passed as 1)
+    with pytest.raises(InvalidInputError, match=message):
+        call()
+
+
+def test_the_last_block_of_the_slot_range_gives_all_its_slots() -> None:
+    # its last slot is 2**63 - 1: one past it overflowed (an empty answer in release builds)
+    slots = block_slots(np.array([2**59 - 1]), 0, 16, 16)
+    assert slots.tolist() == list(range(2**63 - 16, 2**63))
 
 
 def test_block_tables_accept_ints_numpy_ints_and_arrays_and_give_slots() -> None:

@@ -22,6 +22,7 @@ def reference(tokens: list[int], block_size: int, parent: int | None, extra: lis
     out = []
     for i in range(len(tokens) // block_size):
         buf = b"\x00" if parent is None else b"\x01" + parent.to_bytes(16, "little")
+        buf += struct.pack("<I", block_size)
         buf += struct.pack(f"<{block_size}I", *tokens[i * block_size : (i + 1) * block_size])
         key = None if extra is None else extra[i]
         buf += b"\x00" if key is None else b"\x01" + struct.pack("<Q", len(key)) + key

@@ -96,7 +96,8 @@ pub fn slots_of(blocks: &[i64], start: usize, stop: usize, block_size: u32) -> R
         let (block, offset) = (pos / bs, pos % bs);
         let run = (bs - offset).min(stop - pos);
         let first = blocks[block] * i64::from(block_size) + offset as i64;
-        out.extend(first..first + run as i64);
+        // (inclusive: the run's last slot fits, checked above; one past it may not)
+        out.extend(first..=first + (run as i64 - 1));
         pos += run;
     }
     Ok(out)
@@ -105,6 +106,14 @@ pub fn slots_of(blocks: &[i64], start: usize, stop: usize, block_size: u32) -> R
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_block_whose_last_slot_is_i64_max_gives_every_slot() {
+        let b = i64::MAX / 16; // its last slot, b * 16 + 15, is i64::MAX
+        let slots = slots_of(&[b], 0, 16, 16).unwrap();
+        assert_eq!(slots.len(), 16);
+        assert_eq!(*slots.last().unwrap(), i64::MAX);
+    }
 
     #[test]
     fn slots_follow_the_table_across_block_edges() {

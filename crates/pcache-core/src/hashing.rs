@@ -7,8 +7,13 @@
 //! processes, runs and machines:
 //!
 //! ```text
-//! [0 | 1, parent: u128 LE if 1] [token ids: u32 LE × block_size] [0 | 1, len: u64 LE, bytes if 1]
+//! [0 | 1, parent: u128 LE if 1] [block_size: u32 LE] [token ids: u32 LE × block_size]
+//! [0 | 1, len: u64 LE, bytes if 1]
 //! ```
+//!
+//! Every variable-length part carries its length, so no two (parent, tokens, extra key)
+//! triples share their bytes: without the block size, a block of one token and an extra key
+//! spelt the same bytes as a block of three tokens and none.
 
 use std::fmt;
 
@@ -97,6 +102,7 @@ impl BlockHasher {
                 buf.extend_from_slice(&p.0.to_le_bytes());
             }
         }
+        buf.extend_from_slice(&(self.block_size as u32).to_le_bytes()); // (<= MAX_BLOCK_SIZE)
         buf.extend_from_slice(token_bytes);
         match extra {
             None => buf.push(0),
@@ -110,8 +116,9 @@ impl BlockHasher {
     }
 
     /// Hashes every full block of `tokens`, chaining from `parent`. `extra_keys`, if given,
-    /// has one entry per full block. The trailing partial block is not hashed. Refused as a
-    /// whole for a token id outside `[0, 2^32)` or a wrong number of extra keys.
+    /// has one entry per full block. The trailing partial block is not hashed (its ids are
+    /// checked all the same). Refused as a whole for a token id outside `[0, 2^32)` or a wrong
+    /// number of extra keys.
     pub fn hash_blocks<T: RawToken>(
         &mut self,
         tokens: &[T],
@@ -120,11 +127,11 @@ impl BlockHasher {
     ) -> Result<Vec<BlockHash>> {
         let num_blocks = tokens.len() / self.block_size;
         let hashed = &tokens[..num_blocks * self.block_size];
-        if let Some(position) = hashed.iter().position(|t| t.to_u32().is_none()) {
+        if let Some(position) = tokens.iter().position(|t| t.to_u32().is_none()) {
             return Err(Error::InvalidInput {
                 what: format!(
                     "token id {} at position {position} is outside [0, 2^32)",
-                    hashed[position].to_i128()
+                    tokens[position].to_i128()
                 ),
             });
         }
@@ -177,8 +184,8 @@ mod tests {
     }
 
     const GOLDEN: [&str; 2] = [
-        "dac25f2f9b6e9e291e59a84c1f9ac30c",
-        "9c018fa34744816c203598fdf9865d71",
+        "605b4737e6521cd9dc74a6d89153852f",
+        "83e6865abf575d13846e86360faf0717",
     ];
 
     #[test]
@@ -247,5 +254,25 @@ mod tests {
             "{err}"
         );
         assert!(h.hash_blocks(&[1i64], None, None).unwrap().is_empty());
+        let err = h.hash_blocks(&[1i64, 2, -1], None, None).unwrap_err();
+        assert!(
+            err.to_string().contains("token id -1 at position 2"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn blocks_of_different_sizes_never_share_their_bytes() {
+        // One token and an empty extra key ([7], marker 1, length 0) against three tokens and
+        // none ([7, 1, 0]): the same bytes but for the block size, which the layout includes.
+        let one = BlockHasher::new(1)
+            .unwrap()
+            .hash_blocks(&[7u32], None, Some(&[Some(&b""[..])]))
+            .unwrap();
+        let three = BlockHasher::new(3)
+            .unwrap()
+            .hash_blocks(&[7u32, 1, 0], None, None)
+            .unwrap();
+        assert_ne!(one, three);
     }
 }

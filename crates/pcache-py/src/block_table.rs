@@ -6,7 +6,7 @@ use numpy::PyArray1;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyList, PyTuple};
 
-use crate::convert::{int_array, IndexSlice, Indices};
+use crate::convert::{int_array, uint_arg, IndexSlice, Indices};
 use crate::errors::{invalid_input, repr_of, IntoPy};
 
 /// One block id of a list or tuple: an int (or numpy integer), never a bool.
@@ -30,8 +30,9 @@ fn block_id(item: &Bound<'_, PyAny>, position: usize) -> PyResult<i64> {
 pub fn block_table(
     py: Python<'_>,
     blocks: &Bound<'_, PyAny>,
-    num_blocks: u32,
+    num_blocks: &Bound<'_, PyAny>,
 ) -> PyResult<Py<PyArray1<i64>>> {
+    let num_blocks = uint_arg(num_blocks, "num_blocks", u64::from(u32::MAX))? as u32;
     Ok(int_array(py, checked_table(blocks, num_blocks)?))
 }
 
@@ -63,10 +64,13 @@ pub fn checked_table(blocks: &Bound<'_, PyAny>, num_blocks: u32) -> PyResult<Vec
 pub fn block_slots(
     py: Python<'_>,
     table: &Bound<'_, PyAny>,
-    start: usize,
-    stop: usize,
-    block_size: u32,
+    start: &Bound<'_, PyAny>,
+    stop: &Bound<'_, PyAny>,
+    block_size: &Bound<'_, PyAny>,
 ) -> PyResult<Py<PyArray1<i64>>> {
+    let start = uint_arg(start, "start", i64::MAX as u64)? as usize;
+    let stop = uint_arg(stop, "stop", i64::MAX as u64)? as usize;
+    let block_size = uint_arg(block_size, "block_size", u64::from(u32::MAX))? as u32;
     let slots = match Indices::extract(table, "table")?.slice() {
         IndexSlice::I64(s) => pcache_core::block_table::slots_of(s, start, stop, block_size),
         IndexSlice::I32(s) => {

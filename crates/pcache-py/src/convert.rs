@@ -126,6 +126,25 @@ macro_rules! with_slice {
 }
 pub(crate) use with_slice;
 
+/// An int argument in `[0, max]`: an int or numpy integer, never a bool. Anything else is an
+/// `InvalidInputError` naming the argument (PyO3's own conversion would raise a bare
+/// `TypeError` or `OverflowError`).
+pub fn uint_arg(value: &Bound<'_, PyAny>, what: &str, max: u64) -> PyResult<u64> {
+    let refused = || {
+        invalid_input(format!(
+            "{what} must be an int in [0, {max}], got {}",
+            crate::errors::repr_of(value)
+        ))
+    };
+    if value.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(refused());
+    }
+    match value.extract::<i128>() {
+        Ok(v) if (0..=i128::from(max)).contains(&v) => Ok(v as u64),
+        _ => Err(refused()),
+    }
+}
+
 /// Hands a `Vec<i64>` to Python as a numpy array without copying.
 pub fn int_array(py: Python<'_>, v: Vec<i64>) -> Py<PyArray1<i64>> {
     numpy::IntoPyArray::into_pyarray(v, py).unbind()

@@ -3,7 +3,7 @@
 use numpy::{PyArray2, PyArrayMethods};
 use pcache_core::{BlockHash, BlockHasher};
 use pyo3::prelude::*;
-use pyo3::types::PyBool;
+use pyo3::types::{PyBool, PyByteArray, PyBytes, PyList, PyTuple};
 
 use crate::convert::{detach_for, with_slice, Indices};
 use crate::errors::{invalid_input, repr_of, IntoPy};
@@ -27,24 +27,20 @@ pub fn block_hashes<'py>(
     let parent = parent
         .filter(|p| !p.is_none())
         .map(|p| {
-            p.extract::<u128>().map_err(|_| {
-                invalid_input(format!(
-                    "parent must be a block hash (an int in [0, 2**128)) or None, got {}",
-                    repr_of(p)
-                ))
-            })
+            let not_bool = (!p.is_instance_of::<PyBool>()).then_some(p);
+            not_bool
+                .and_then(|p| p.extract::<u128>().ok())
+                .ok_or_else(|| {
+                    invalid_input(format!(
+                        "parent must be a block hash (an int in [0, 2**128)) or None, got {}",
+                        repr_of(p)
+                    ))
+                })
         })
         .transpose()?;
     let extra_keys = extra_keys
         .filter(|e| !e.is_none())
-        .map(|e| {
-            e.extract::<Vec<Option<Vec<u8>>>>().map_err(|_| {
-                invalid_input(format!(
-                    "extra_keys must hold one bytes or None per full block, got {}",
-                    repr_of(e)
-                ))
-            })
-        })
+        .map(extra_keys_of)
         .transpose()?;
     let mut hasher = BlockHasher::new(block_size).py_err()?;
     let extra: Option<Vec<Option<&[u8]>>> = extra_keys
@@ -65,6 +61,39 @@ pub fn block_hashes<'py>(
     numpy::IntoPyArray::into_pyarray(flat, py)
         .reshape([hashes.len(), 2])
         .map_err(|e| invalid_input(format!("internal reshape failed: {e}")))
+}
+
+/// One `bytes` (or `bytearray`) or `None` per full block, from a list or tuple: anything else
+/// (a str, a dict, a tuple of ints that would read as bytes) is refused, so keys of another
+/// type never hash like some bytes.
+fn extra_keys_of(keys: &Bound<'_, PyAny>) -> PyResult<Vec<Option<Vec<u8>>>> {
+    let refused = || {
+        invalid_input(format!(
+            "extra_keys must be a list of bytes or None, one per full block, got {}",
+            repr_of(keys)
+        ))
+    };
+    let items: Vec<Bound<'_, PyAny>> = if let Ok(list) = keys.cast::<PyList>() {
+        list.iter().collect()
+    } else if let Ok(tuple) = keys.cast::<PyTuple>() {
+        tuple.iter().collect()
+    } else {
+        return Err(refused());
+    };
+    items
+        .iter()
+        .map(|k| {
+            if k.is_none() {
+                Ok(None)
+            } else if let Ok(b) = k.cast::<PyBytes>() {
+                Ok(Some(b.as_bytes().to_vec()))
+            } else if let Ok(b) = k.cast::<PyByteArray>() {
+                Ok(Some(b.to_vec()))
+            } else {
+                Err(refused())
+            }
+        })
+        .collect()
 }
 
 /// `block_size` as a count of tokens: an int (not a bool); the hasher checks its range. A
