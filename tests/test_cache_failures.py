@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cachekit import small_cache, start_thread
-from omni_pcache import NewRequest, StepBatch, StepEvents, WriteFailedError
+from omni_pcache import CachePolicy, NewRequest, StepBatch, StepEvents, WriteFailedError
 
 
 def save_one(cache, first_slot=0, n=2):
@@ -223,3 +223,76 @@ def test_a_save_that_fails_after_handing_its_copy_over_leaves_no_copy_into_the_p
         cache.begin_step(StepEvents())  # the fence: the step's rows are read from its page now
         assert torch.equal(cache.materialize(sid, ["a"]).hidden["a"], torch.full((4, 2), 1.0))
         assert cache.stats().staging_holders == [[]]
+
+
+class _PausingTasks:
+    """The cache's `WriteTasks`, with a hook run right after (or before) one of its methods."""
+
+    def __init__(self, tasks, method: str, hook, before: bool = False) -> None:
+        self._tasks, self._method, self._hook, self._before = tasks, method, hook, before
+
+    def __getattr__(self, name: str):
+        call = getattr(self._tasks, name)
+        if name != self._method:
+            return call
+
+        def hooked(*args):
+            if self._before:
+                self._hook()
+            out = call(*args)
+            if not self._before:
+                self._hook()
+            return out
+
+        return hooked
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+
+def test_a_save_that_queues_its_rows_while_close_runs_still_has_them_written() -> None:
+    # close() lands between a save's claims and its queueing: the committer has stopped, so
+    # the save's notify writes the rows itself (close writes what is queued; before, they
+    # stayed QUEUED and a flush waited out claim_timeout_s).
+    cache = small_cache(inline_write_bytes=0, claim_timeout_s=30.0)
+    inside, go = threading.Event(), threading.Event()
+    cache._tasks = _PausingTasks(cache._tasks, "enqueue_many", lambda: (inside.set(), go.wait(10)), before=True)
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+    saved: list[int] = []
+    saver, errors = start_thread(
+        lambda: saved.append(cache.save(torch.ones(4, 2), {}, StepBatch(["a"], [4], np.arange(4))))
+    )
+    assert inside.wait(10)
+    cache.close()
+    go.set()
+    saver.join(10)
+    assert saved and not saver.is_alive() and not errors
+    done = threading.Event()
+    flusher, errors = start_thread(lambda: (cache.flush(), done.set()))
+    flusher.join(10)
+    assert done.is_set() and not errors, f"flush waited for rows nobody would write: {errors}"
+    assert cache.stats().bytes_written == {"hidden": 4 * 2 * 4}
+
+
+def test_a_committer_failure_while_begin_step_flushes_a_finished_requests_deferred_rows_is_the_sticky_error() -> None:
+    # The failure drops every open deferred record (on the committer thread) between
+    # begin_step's escalation of a finished request's record and its queueing: begin_step
+    # raises the failure (before: a raw KeyError from the record already dropped).
+    cache = small_cache(inline_write_bytes=0, policy=CachePolicy(token_keys={"codes"}, deferred_keys={"codes"}))
+    failing, failed = threading.Event(), threading.Event()
+
+    def fail_write(groups) -> None:
+        failing.wait(10)
+        raise RuntimeError("injected: pool write failed")
+
+    cache._writer.write_batch = fail_write
+    release = cache._release_after_failure
+    cache._release_after_failure = lambda: (release(), failed.set())
+    cache._deferred._tasks = _PausingTasks(cache._deferred._tasks, "escalate", lambda: (failing.set(), failed.wait(10)))
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+    cache.save(torch.ones(8, 2), {"codes": torch.ones(8, 3)}, StepBatch(["a"], [8], np.arange(8)))
+    with pytest.raises(WriteFailedError, match="injected: pool write failed"):
+        cache.begin_step(StepEvents(finished=["a"]))
+    with pytest.raises(WriteFailedError):
+        cache.flush()
+    cache.close()

@@ -283,7 +283,11 @@ class PrefixCache:
                 raise self._closed_error("the cache was closed during save") from None
             raise
         if deferred and self._deferred.open:  # (a request's open record holds one key set)
-            flushed = self._deferred.close_other_keys(shape.claim_req_ids, deferred)
+            try:
+                flushed = self._deferred.close_other_keys(shape.claim_req_ids, deferred)
+            except TaskStateError:  # a record the committer's failure failed meanwhile
+                self._steps.abandon(step_id, page)
+                raise self._closed_error("the cache was closed during save") from None
             if flushed:
                 self._committer.notify(flushed)
         # A small all-CPU step is written here, before its hits are planned, while the committer

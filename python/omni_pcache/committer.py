@@ -63,14 +63,18 @@ class Committer:
             self._thread.start()
 
     def notify(self, num_tasks: int = 1) -> None:
-        """Tasks were queued (engine thread). Inline mode writes them now.
+        """Tasks were queued (engine thread). Inline mode, or a committer stopping or stopped,
+        writes them now.
 
         At most one wake-up per call, whatever ``num_tasks``, and none while the committer is
         awake: it drains every queued task and checks the queue again before sleeping."""
-        if self._threaded:
+        if self._threaded and not self._stopping:
             if num_tasks > 0 and self._sleeping:
                 self._wake_up()
         else:
+            # Inline mode, or tasks queued while `stop` runs or after it (a save that began
+            # before close): written here, after the thread's last batch (the write lock), so
+            # close's "writes what is queued" holds for them too.
             self._drain()
 
     def _wake_up(self) -> None:

@@ -238,8 +238,10 @@ class DeferredWrites:
         return clones
 
     def flush(self, record: DeferredRecord) -> None:
-        """Queues an open record for writing."""
-        del self.open[record.req_id]
+        """Queues an open record for writing. (A committer failure may have dropped every open
+        record meanwhile, `drop_all`, and failed its task: the enqueue then raises
+        `TaskStateError`, which the cache turns into the sticky failure.)"""
+        self.open.pop(record.req_id, None)
         record.flushed = True
         self._tasks.enqueue(record.task_id)
 
@@ -278,7 +280,8 @@ class DeferredWrites:
         return 1
 
     def drop_all(self) -> None:
-        """After a failure: forget open records (their clones are released by the cache)."""
+        """After a failure (the failing thread, often the committer: the one call here not on
+        the engine thread): forget open records (their clones are released by the cache)."""
         self.open.clear()
         self.budget.wake()
 
