@@ -275,10 +275,7 @@ class PrefixCache:
             handle = copy.finish()
             clones = self._deferred.clone_step(deferred, cached, shape)  # charges only if it returns
         except BaseException as exc:  # a leftover that cannot be copied, no device budget in time, ...
-            if handle is not None:  # its copies into the page land before the page is free again
-                with contextlib.suppress(Exception):  # (a copy that fails leaves the page as undefined)
-                    handle.wait()
-            self._steps.abandon(step_id, page)
+            self._abandon_save(step_id, page, handle)
             if self._failure is not None or isinstance(exc, CacheClosedError):  # every call raises the failure
                 raise self._closed_error("the cache was closed during save") from None
             raise
@@ -286,7 +283,7 @@ class PrefixCache:
             try:
                 flushed = self._deferred.close_other_keys(shape.claim_req_ids, deferred)
             except TaskStateError:  # a record the committer's failure failed meanwhile
-                self._steps.abandon(step_id, page)
+                self._abandon_save(step_id, page, handle)
                 raise self._closed_error("the cache was closed during save") from None
             if flushed:
                 self._committer.notify(flushed)
@@ -326,6 +323,15 @@ class PrefixCache:
             raise self._closed_error("the cache was closed during save") from None
         self._committer.notify(len(task_ids))
         return step_id
+
+    def _abandon_save(self, step_id: int, page: int, handle: CopyHandle | None) -> None:
+        """Undoes a save refused before its claims: its copies into the page land first (a CPU
+        copy handed to the committer would otherwise run at the next fence, into a page a later
+        step may hold by then), then its step id is consumed and its page released."""
+        if handle is not None:
+            with contextlib.suppress(Exception):  # (a copy that fails leaves the page as undefined)
+                handle.wait()
+        self._steps.abandon(step_id, page)
 
     def _make_room(self, keys: StepKeys) -> None:
         """Pool storage for every key of a new key set, and staging room for its immediate ones."""
