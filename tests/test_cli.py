@@ -39,6 +39,10 @@ def test_demo_table_shows_the_verdict() -> None:
         (["demo", "--workload", "nope"], "argument --workload: invalid choice: 'nope'"),
         (["demo", "--abort-rate", "2"], "expected a number in [0, 1], got 2.0"),
         (["demo", "--num-blocks", "4"], "must hold at least 256 tokens"),
+        # (were tracebacks with exit 1, which means FAIL: a seed torch cannot take, a KV too big)
+        (["demo", "--seed", "99999999999999999999"], "argument --seed: expected an integer in [0, 2**63)"),
+        (["demo", "--seed", "-1"], "argument --seed: expected an integer in [0, 2**63), got -1"),
+        (["demo", "--num-blocks", "100000000"], "must be at most 1,048,576 tokens"),
         (["demo", "--num-blocks", "16", "--workload", "fewshot", "--block-size", "16", "--requests", "3"], None),
         ([], "the following arguments are required: command"),
     ],
@@ -53,3 +57,43 @@ def test_bad_options_get_one_line_errors(args: list[str], message: str | None) -
     assert "Traceback" not in out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], out.stderr
+
+
+def test_the_demos_check_fails_on_wrong_leftovers_short_aborted_rows_and_a_cut_run() -> None:
+    # What a PASS rests on (each once let a wrong run pass): every returned leftover equal to
+    # the model's; an aborted request's rows exactly the positions its saved steps covered;
+    # every request finished or aborted.
+    from omni_pcache.engine import Engine, EngineConfig, make_workload
+    from omni_pcache.engine.compare import compare
+
+    config = EngineConfig(num_blocks=32, model="prefix-hash")
+    cached = Engine(config).run(make_workload("mixed", 30, 1, abort_rate=0.5))
+    reference = Engine(EngineConfig(num_blocks=32, model="prefix-hash", enable_prefix_caching=False)).run(
+        make_workload("mixed", 30, 1)
+    )
+    assert compare(cached, reference, 0.0).ok
+    aborted = next(r for r, req in cached.requests.items() if req.status.value == "aborted" and req.saved_upto)
+    out = cached.outputs[aborted]
+    out.hidden[-1], out.proj[-1] = out.hidden[-1][:-1], out.proj[-1][:-1]  # its last row lost
+    out.leftover_wrong += 1
+    mismatches = compare(cached, reference, 0.0).mismatches
+    assert any(m.startswith(f"{aborted}: 1 leftovers unequal") for m in mismatches), mismatches
+    assert any(m.startswith(f"{aborted}: ") and "its saved steps covered" in m for m in mismatches), mismatches
+    short = Engine(EngineConfig(num_blocks=32, model="prefix-hash", max_steps=3)).run(make_workload("mixed", 30, 1))
+    assert any("neither finished nor aborted" in m for m in compare(short, reference, 0.0).mismatches)
+
+
+def test_demo_json_is_strict_json_when_a_row_is_nan(monkeypatch, capsys) -> None:
+    from omni_pcache.engine import compare as compare_module
+
+    real = compare_module.compare
+
+    def nan_rows(cached, reference, atol):
+        result = real(cached, reference, atol)
+        result.max_abs_diff, result.mismatches = float("inf"), ["x: rows differ"]
+        return result
+
+    monkeypatch.setattr("omni_pcache.cli.compare", nan_rows)
+    rc = main(["demo", "--requests", "6", "--model", "prefix-hash", "--json"])
+    summary = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+    assert rc == 1 and summary["passed"] is False and summary["max_abs_diff"] == "inf"

@@ -91,3 +91,26 @@ def test_abort_frees_blocks_and_reports_finished_next_step() -> None:
     sched.abort(a)
     assert a.status is Status.ABORTED and kv.pool.num_free == 8
     assert sched.schedule(1).finished == ["a"]
+
+
+def test_a_hash_held_by_two_blocks_stays_cached_while_either_does() -> None:
+    # Two requests with the same block-aligned 8-token prompt: the last prompt token is always
+    # recomputed, so b writes its own copy of the second block. When a's copy is handed to a
+    # new tenant, b's copy still holds the hash and a later request hits it (as in vLLM, which
+    # keeps every block of a hash; the stand-in used to drop the hash with the first copy).
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(1, 9))
+    a, b = Request("a", prompt, [99]), Request("b", prompt, [99])
+    assert kv.allocate(a, 8, kv.match_prefix(a))
+    hit = kv.match_prefix(b)
+    assert hit == [a.blocks[0]]
+    assert kv.allocate(b, 4, hit)
+    a_blocks, b_blocks = list(a.blocks), list(b.blocks)
+    assert a_blocks[1] != b_blocks[1]
+    kv.free(a)
+    kv.free(b)
+    x = Request("x", list(range(200, 224)), [1])
+    assert kv.allocate(x, 24)  # six blocks from the LRU head: a's copy of the second block is one
+    assert a_blocks[1] in x.blocks and b_blocks[1] not in x.blocks
+    c = Request("c", [*prompt, 50, 51, 52, 53], [1])
+    assert kv.match_prefix(c) == [a_blocks[0], b_blocks[1]]

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict
 
 from omni_pcache.engine import WORKLOADS, Engine, EngineConfig, make_workload
 from omni_pcache.engine.compare import Comparison, compare
 from omni_pcache.engine.engine import MODELS, EngineCapacityError, EngineResult
+
+MAX_DEMO_SLOTS = 1 << 20
+"""The most KV slots the demo allocates (its models hold their KV for every slot up front)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,6 +34,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**63), got {text!r}") from None
+    if not 0 <= value < 2**63:  # (torch's generator takes 64 bits)
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**63), got {value}")
+    return value
+
+
 def _rate(text: str) -> float:
     try:
         value = float(text)
@@ -45,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     demo = sub.add_parser("demo", help="run the embedded engine with and without the cache and compare")
     demo.add_argument("--workload", choices=WORKLOADS, default="mixed", help="request mix (default: mixed)")
-    demo.add_argument("--seed", type=int, default=0, help="workload and model seed (default: 0)")
+    demo.add_argument("--seed", type=_seed, default=0, help="workload and model seed (default: 0)")
     demo.add_argument("--requests", type=_positive, default=120, help="number of requests (default: 120)")
     demo.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block (default: 16)")
     demo.add_argument(
@@ -89,6 +103,18 @@ def _summary(args, cached: EngineResult, reference: EngineResult, check: Compari
         "cache": asdict(stats) if stats else None,
         "passed": check.ok,
     }
+
+
+def _finite(value):
+    """``value`` with every non-finite float as a string ("inf", "nan"): strict JSON has none
+    (a NaN row makes the largest difference infinite)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _print_summary(summary: dict) -> None:
@@ -150,7 +176,7 @@ def run_demo(args: argparse.Namespace) -> int:
         )
     summary = _summary(args, cached, reference, compare(cached, reference, atol))
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(json.dumps(_finite(summary), indent=2, allow_nan=False))
     else:
         _print_summary(summary)
     return 0 if summary["passed"] else 1
@@ -161,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         if args.num_blocks * args.block_size < 256:
             print("omni-pcache: error: --num-blocks x --block-size must hold at least 256 tokens", file=sys.stderr)
+            return 2
+        if args.num_blocks * args.block_size > MAX_DEMO_SLOTS:  # (the model's KV is allocated up front)
+            print(
+                f"omni-pcache: error: --num-blocks x --block-size must be at most {MAX_DEMO_SLOTS:,} tokens",
+                file=sys.stderr,
+            )
             return 2
         try:
             return run_demo(args)

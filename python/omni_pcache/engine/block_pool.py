@@ -2,7 +2,10 @@
 
 Full blocks are identified by their chained block hash. A block whose last user frees it
 stays cached: it goes to the tail of an LRU free queue and can still be hit until the pool
-hands it out again, which evicts its hash (the block gets a new tenant). Requests free their
+hands it out again, which evicts its hash (the block gets a new tenant). Several blocks may
+hold one hash (two requests computed the same block: the last prompt token is always
+recomputed, so identical block-aligned prompts each write their own last block); as in vLLM,
+a hit finds the first still cached, and evicting one keeps the others. Requests free their
 blocks tail first, so a prompt's leading blocks are evicted last.
 """
 
@@ -19,7 +22,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, int] = {}
-        self._block_of: dict[int, int] = {}
+        self._blocks_of: dict[int, dict[int, None]] = {}  # hash -> the blocks holding it, oldest first
         self.num_evictions = 0
 
     @property
@@ -31,8 +34,9 @@ class BlockPool:
         return self._refs[block] == 0
 
     def cached_block(self, block_hash: int) -> int | None:
-        """The block holding ``block_hash``, if still cached."""
-        return self._block_of.get(block_hash)
+        """The first block still holding ``block_hash``, if any."""
+        blocks = self._blocks_of.get(block_hash)
+        return next(iter(blocks)) if blocks else None
 
     def touch(self, blocks: list[int]) -> None:
         """Takes a reference on hit blocks (removing free ones from the free queue)."""
@@ -51,8 +55,10 @@ class BlockPool:
             block, _ = self._free.popitem(last=False)
             old = self._hash_of.pop(block, None)
             if old is not None:
-                if self._block_of.get(old) == block:
-                    del self._block_of[old]
+                holders = self._blocks_of[old]
+                del holders[block]
+                if not holders:
+                    del self._blocks_of[old]
                 self.num_evictions += 1
             self._refs[block] = 1
             out.append(block)
@@ -66,8 +72,8 @@ class BlockPool:
                 self._free[b] = None
 
     def cache_block(self, block: int, block_hash: int) -> None:
-        """Publishes a full block under its hash (the first block with a hash keeps it)."""
+        """Publishes a full block under its hash (beside any other block holding it)."""
         if block in self._hash_of:
             return
         self._hash_of[block] = block_hash
-        self._block_of.setdefault(block_hash, block)
+        self._blocks_of.setdefault(block_hash, {})[block] = None

@@ -2,8 +2,11 @@
 
 For every request, the concatenation of the rows the cached run returned across its steps
 must equal the reference rows of its full sequence: the whole sequence for a finished
-request, a prefix of it for an aborted one. Exact for the prefix-hash model, within a
-tolerance for the transformer.
+request; for an aborted one, exactly the positions its saved steps covered (the reference
+runs every request to the end). Exact for the prefix-hash model, within a tolerance for the
+transformer. Every leftover returned must have equalled the model's and been on the host
+(counted by the engine when it verifies leftovers), and every request must have finished or
+been aborted (a run cut short at ``max_steps`` fails).
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ def compare(cached: EngineResult, reference: EngineResult, atol: float) -> Compa
     """Checks every request of ``cached`` against ``reference`` (see the module doc)."""
     result = Comparison()
     for req_id, req in cached.requests.items():
+        if req.status not in (Status.FINISHED, Status.ABORTED):
+            result.mismatches.append(f"{req_id}: {req.status.value}, neither finished nor aborted (run cut short)")
+            continue
         ref = reference.outputs.get(req_id)
         out = cached.outputs.get(req_id)
         if ref is None:
@@ -41,13 +47,19 @@ def compare(cached: EngineResult, reference: EngineResult, atol: float) -> Compa
             continue
         ref_hidden, ref_proj = ref.rows()
         if out is None:
-            if req.status is Status.FINISHED:
-                result.mismatches.append(f"{req_id}: finished but no rows were returned")
+            if req.status is Status.FINISHED or req.saved_upto:
+                result.mismatches.append(f"{req_id}: {req.status.value} but no rows were returned")
             continue
+        if out.leftover_wrong or out.leftover_off_host:
+            result.mismatches.append(
+                f"{req_id}: {out.leftover_wrong} leftovers unequal to the model's, "
+                f"{out.leftover_off_host} not on the host (of {out.leftover_seen})"
+            )
         hidden, proj = out.rows()
-        expected_len = req.full_sequence_len() if req.status is Status.FINISHED else None
-        if expected_len is not None and hidden.shape[0] != expected_len:
-            result.mismatches.append(f"{req_id}: {hidden.shape[0]} rows returned, full sequence is {expected_len}")
+        expected_len = req.full_sequence_len() if req.status is Status.FINISHED else req.saved_upto
+        if hidden.shape[0] != expected_len:
+            what = "full sequence" if req.status is Status.FINISHED else "its saved steps covered"
+            result.mismatches.append(f"{req_id}: {hidden.shape[0]} rows returned, {what} {expected_len}")
             continue
         if hidden.shape[0] > ref_hidden.shape[0] or proj.shape[0] != hidden.shape[0]:
             result.mismatches.append(
@@ -55,13 +67,16 @@ def compare(cached: EngineResult, reference: EngineResult, atol: float) -> Compa
             )
             continue
         n = hidden.shape[0]
+        if n == 0:  # (an aborted request whose steps covered nothing: nothing to compare)
+            result.requests_checked += 1
+            continue
         # Per-element |diff|, NaN as infinitely far: a NaN row never passes for equal.
         diffs = [
             (got.double() - want[:n].double()).abs().reshape(n, -1).nan_to_num(nan=float("inf"))
             for got, want in ((hidden, ref_hidden), (proj, ref_proj))
         ]
-        row_worst = torch.cat(diffs, dim=1).amax(dim=1) if n else torch.zeros(0, dtype=torch.float64)
-        worst = float(row_worst.max()) if n else 0.0
+        row_worst = torch.cat(diffs, dim=1).amax(dim=1)
+        worst = float(row_worst.max())
         result.max_abs_diff = max(result.max_abs_diff, worst)
         if worst > atol:
             first = int(torch.nonzero(row_worst > atol)[0])

@@ -278,6 +278,8 @@ class Engine:
                             [r.req_id for r, _ in sched.scheduled], [n for _, n in sched.scheduled], slots, padded
                         )
                         step_id = self.cache.save(hidden, mm, step_batch)
+                        for req, count in sched.scheduled:  # (before `update` moves num_computed on)
+                            req.saved_upto = max(req.saved_upto, req.num_computed + count)
                         if self.verify_leftovers:
                             with self._lock:
                                 self._leftovers[step_id] = {

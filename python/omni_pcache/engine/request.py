@@ -35,6 +35,7 @@ class Request:
     scheduled_before: bool = False
     preempted: bool = False
     num_preemptions: int = 0
+    saved_upto: int = 0  # positions [0, saved_upto) covered by its saved steps: what its consumer gets
 
     def __post_init__(self) -> None:
         if not self.tokens:
