@@ -336,6 +336,18 @@ def test_bad_config_raises_config_error() -> None:
         CacheConfig(num_blocks=1, block_size=16, inline_write_bytes=-1)
     with pytest.raises(ConfigError, match="config must be a CacheConfig"):
         PrefixCache({"num_blocks": 1})
+    # (were accepted: a huge depth aborted the process allocating its registry, a huge page
+    # failed the first save with torch's allocator error, a bool timeout meant 1 s, and a
+    # threaded of "no" started the committer thread)
+    with pytest.raises(ConfigError, match=r"staging_depth must be at most 1,024, got 8589934592"):
+        CacheConfig(num_blocks=1, block_size=16, staging_depth=2**33)
+    with pytest.raises(ConfigError, match=r"staging_capacity_tokens must be at most 16,777,216"):
+        CacheConfig(num_blocks=1, block_size=16, staging_capacity_tokens=2**50)
+    with pytest.raises(ConfigError, match="claim_timeout_s must be a finite number, got True"):
+        CacheConfig(num_blocks=1, block_size=16, claim_timeout_s=True)
+    for threaded in ("no", None, 1):
+        with pytest.raises(ConfigError, match=f"threaded must be a bool, got {threaded!r}"):
+            CacheConfig(num_blocks=1, block_size=16, threaded=threaded)
 
 
 def test_closed_cache_refuses_calls_and_close_is_idempotent() -> None:

@@ -15,6 +15,12 @@ HIDDEN = "hidden"
 """The key under which hidden states are cached (and reported in stats)."""
 
 
+MAX_STAGING_DEPTH = 1024
+"""Most step ids a cache lets be unconsumed at once (`CacheConfig.staging_depth`)."""
+MAX_STAGING_TOKENS = 1 << 24
+"""Most rows of one step (`CacheConfig.staging_capacity_tokens`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     """Sizes of one cache, taken from the engine's KV cache and scheduler.
@@ -57,11 +63,18 @@ class CacheConfig:
         for name, value in positive.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"CacheConfig.{name} must be a positive int, got {value!r}")
+        # (upper bounds far past any engine's, so a typo fails here, not as an allocation abort)
+        for name, most in (("staging_depth", MAX_STAGING_DEPTH), ("staging_capacity_tokens", MAX_STAGING_TOKENS)):
+            if getattr(self, name) > most:
+                raise ConfigError(f"CacheConfig.{name} must be at most {most:,}, got {getattr(self, name)!r}")
+        if not isinstance(self.threaded, bool):
+            raise ConfigError(f"CacheConfig.threaded must be a bool, got {self.threaded!r}")
         for name in ("device_budget_bytes", "max_preserved_rows", "inline_write_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"CacheConfig.{name} must be an int >= 0, got {value!r}")
-        if not (isinstance(self.claim_timeout_s, int | float) and math.isfinite(self.claim_timeout_s)):
+        timeout = self.claim_timeout_s
+        if isinstance(timeout, bool) or not (isinstance(timeout, int | float) and math.isfinite(timeout)):
             raise ConfigError(f"CacheConfig.claim_timeout_s must be a finite number, got {self.claim_timeout_s!r}")
         if not 0 <= self.claim_timeout_s <= threading.TIMEOUT_MAX:
             raise ConfigError(
