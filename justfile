@@ -80,8 +80,10 @@ fmt: setup
 gpu-wheels: setup
     rm -rf dist/gpu && mkdir -p dist/gpu
     maturin build --release --out dist/gpu
+    bash scripts/source_hash.sh > dist/gpu/SOURCE_HASH
 
-# On a GPU machine: the cuda-marked tests and the copy benchmark, as one script (see scripts/gpu_check.sh).
+# On a GPU machine: the cuda-marked tests and the copy benchmark, as one script (see scripts/gpu_check.sh;
+# where `just` is not installed, as on the lent machine, run `bash scripts/gpu_check.sh`).
 gpu-check:
     bash scripts/gpu_check.sh
 
