@@ -121,6 +121,7 @@ class PrefixCache:
             self._ledger,
             self._staging,
             self._pages,
+            self._pool,
             self._preserved,
             self._deferred,
             self._cond,
@@ -298,11 +299,7 @@ class PrefixCache:
                 )
             except CacheClosedError:  # (claims fail only when the cache failed or closed meanwhile)
                 raise self._closed_error("the cache was closed during save") from None
-            for spec, slots, versions in from_pool:  # (before this step's rows overwrite them)
-                rows = self._pool.read(spec.name, torch.tensor(slots, dtype=torch.int64))
-                self._preserved.fill(spec.name, slots, versions, rows)
-            for record, spec, slots, versions in from_deferred:
-                self._preserved.fill(spec.name, slots, versions, record.rows(spec, record.position_of(slots)))
+            self._claims.keep_aside(from_pool, from_deferred)  # (before this step's rows overwrite them)
             if now and task_ids:
                 self._write_step_now(step_id, page, shape, immediate, task_ids)
         finally:

@@ -10,18 +10,21 @@ still in transit, registered on that write as an obligation its writer fills
 
 Threads: the engine thread, under the cache's ledger lock (``cond``) for the claims and the
 obligations registered with them; the preserved rows owed from the pool or a clone are
-returned for the caller to copy once it has released the lock.
+returned, for `StepClaims.keep_aside` to copy once the caller has released the lock.
 """
 
 from __future__ import annotations
 
 import threading
 
+import torch
+
 from omni_pcache._native import Ledger, StagingSlots, WriteTasks, claim_step
 from omni_pcache.copy_engine import CopyHandle
 from omni_pcache.deferred import Clone, DeferredRecord, DeferredWrites
 from omni_pcache.keys import KeySpec
 from omni_pcache.pages import StagingPages
+from omni_pcache.pool import HostPool
 from omni_pcache.preserve import PreservedRows
 from omni_pcache.validation import BatchShape
 from omni_pcache.writes import StepWrite
@@ -45,6 +48,7 @@ class StepClaims:
         ledger: Ledger,
         staging: StagingSlots,
         pages: StagingPages,
+        pool: HostPool,
         preserved: PreservedRows,
         deferred: DeferredWrites,
         cond: threading.Condition,
@@ -55,6 +59,7 @@ class StepClaims:
         self._ledger = ledger
         self._staging = staging
         self._pages = pages
+        self._pool = pool
         self._preserved = preserved
         self._deferred = deferred
         self._cond = cond
@@ -136,6 +141,16 @@ class StepClaims:
                     if out.preserve_slots.size:
                         self._register_obligations(spec, out, step_id, from_pool, from_deferred)
         return task_ids, from_pool, from_deferred
+
+    def keep_aside(self, from_pool: list[FromPool], from_deferred: list[FromDeferred]) -> None:
+        """Copies the rows a claim owes readers now (what `claim` returned) into the preserved
+        store: from the pool, or from a deferred record's device clone (engine thread, without
+        the ledger lock, before the step's own rows overwrite the pool's)."""
+        for spec, slots, versions in from_pool:
+            rows = self._pool.read(spec.name, torch.tensor(slots, dtype=torch.int64))
+            self._preserved.fill(spec.name, slots, versions, rows)
+        for record, spec, slots, versions in from_deferred:
+            self._preserved.fill(spec.name, slots, versions, record.rows(spec, record.position_of(slots)))
 
     def _register_obligations(
         self, spec: KeySpec, out, step_id: int, from_pool: list[FromPool], from_deferred: list[FromDeferred]
