@@ -45,9 +45,11 @@ def test_the_committer_thread_writes_the_pool_and_save_does_not_wait_for_it() ->
         assert writers == []
         out = cache.materialize(sid, ["a"])  # this step's own rows come from staging
         assert torch.equal(out.hidden["a"], torch.ones(4, 2))
+        assert cache.stats().tasks_live == 1, "its write is still on its way to the pool"
         gate.set()
         cache.flush()
         assert writers == ["omni-pcache-committer"]
+        assert cache.stats().tasks_live == 0, "written: not live once flush returns, before any begin_step"
 
 
 def test_a_small_cpu_step_is_written_inside_save_while_the_committer_is_idle() -> None:

@@ -510,7 +510,7 @@ class PrefixCache:
             pool_bytes=self._pool.nbytes(),
             staging_bytes=self._pages.nbytes(),
             steps_outstanding=self._steps.ids.outstanding(),
-            tasks_live=len(self._tasks),
+            tasks_live=sum(1 for _, state in self._tasks.states() if state != "WRITTEN"),
             preserved_entries=len(self._preserved),
             device_bytes=self._deferred.budget.used,
             deferred_open=len(self._deferred.open),

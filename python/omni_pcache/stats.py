@@ -18,7 +18,9 @@ class CacheStats:
     hidden states as ``"hidden"``), with the bytes written to its pool so far (0 until its
     first write; a deferred key's are written when its request finishes). ``pool_bytes`` and
     ``staging_bytes`` are the host memory held per key. ``staging_holders`` lists who holds
-    each staging page now.
+    each staging page now. ``tasks_live`` counts the write tasks whose rows have not reached
+    the pool (pending, queued, copying, or failed): 0 once `flush` returns, with no deferred
+    rows open.
     """
 
     hits: int = 0
