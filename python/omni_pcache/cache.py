@@ -234,7 +234,7 @@ class PrefixCache:
         if flushed:
             self._committer.notify(flushed)
         if hits or misses:
-            self._counters.add(hits=hits, misses=misses)
+            self._counters.requests(hits, misses)
 
     def save(self, hidden: torch.Tensor | None, mm: dict[str, Any] | None, batch: StepBatch) -> int:
         """Saves one step's outputs and returns its step id (engine thread, after the forward).

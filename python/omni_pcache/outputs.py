@@ -212,9 +212,7 @@ class OutputBuilder:
         """A hit's rows gathered into ``into[key]`` (the front of the request's rows in the
         output)."""
         served = self._reader.serve(hit, record.step_id, self._timeout_s, into)
-        self._counters.add(
-            rows_from_pool=served.from_pool, rows_in_flight=served.in_flight, rows_preserved=served.preserved
-        )
+        self._counters.served(served.from_pool, served.in_flight, served.preserved)
         for name, rows in served.rows.items():
             if rows.data_ptr() != into[name].data_ptr():
                 into[name].copy_(rows)

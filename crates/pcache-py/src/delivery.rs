@@ -45,12 +45,14 @@ impl Deliveries {
         &self,
         kind: &str,
         req: &Bound<'_, PyAny>,
-        ending: &HashSet<String>,
+        ending: &HashSet<&str>,
         num_blocks: u32,
     ) -> PyResult<Scheduled> {
         let py_id = req.getattr(pyo3::intern!(req.py(), "req_id"))?;
-        let what = format!("StepEvents.{kind} (its req_id)");
-        let req_id = req_id_of(&py_id, &what)?;
+        let req_id = match py_id.cast::<PyString>().map(|s| s.to_str()) {
+            Ok(Ok(text)) => text.to_owned(),
+            _ => req_id_of(&py_id, &format!("StepEvents.{kind} (its req_id)"))?, // (raises)
+        };
         let id = || repr_of(&py_id); // (built only for an error message)
         let computed = req.getattr(pyo3::intern!(req.py(), "num_computed_tokens"))?;
         let num_computed = if computed.is_instance_of::<PyBool>() {
@@ -85,7 +87,7 @@ impl Deliveries {
                 blocks.len()
             )));
         }
-        let hit = ending.contains(&req_id) || !self.inner.is_live(&req_id);
+        let hit = ending.contains(req_id.as_str()) || !self.inner.is_live(&req_id);
         if hit && num_computed % bs != 0 {
             return Err(invalid_input(format!(
                 "{}: num_computed_tokens={num_computed} is not a whole number of blocks \
@@ -141,7 +143,7 @@ impl Deliveries {
             .try_iter()?
             .map(|id| req_id_of(&id?, "StepEvents.finished"))
             .collect::<PyResult<Vec<_>>>()?;
-        let ending: HashSet<String> = finished.iter().cloned().collect();
+        let ending: HashSet<&str> = finished.iter().map(String::as_str).collect();
         let mut scheduled = Vec::new();
         let mut seen = HashSet::new();
         for (kind, requests, cls) in [("new", new, new_type), ("resumed", resumed, resumed_type)] {
