@@ -114,3 +114,26 @@ def test_a_hash_held_by_two_blocks_stays_cached_while_either_does() -> None:
     assert a_blocks[1] in x.blocks and b_blocks[1] not in x.blocks
     c = Request("c", [*prompt, 50, 51, 52, 53], [1])
     assert kv.match_prefix(c) == [a_blocks[0], b_blocks[1]]
+
+
+def test_blocks_that_fill_in_later_steps_are_published_and_again_after_a_reallocation() -> None:
+    """A block is published when it becomes full, in whichever step that is (a later prefill
+    chunk, decode), once per tenancy: after the request's blocks are freed and it is allocated
+    anew (preemption), its new blocks are published under the same hashes."""
+    kv = KVCacheManager(16, BS, enable_prefix_caching=True)
+    a = req("a", list(range(10)), outputs=(10, 11, 12))
+    assert kv.allocate(a, 6)  # block 0 full, block 1 half
+    assert kv.match_prefix(req("x", list(range(13)))) == a.blocks[:1]
+    a.num_computed = 6
+    assert kv.allocate(a, 4)  # the rest of the prompt: block 1 full, block 2 half
+    a.num_computed = 10
+    a.tokens.extend([10, 11])  # decode: two generated tokens fill block 2
+    assert kv.allocate(a, 2)
+    assert kv.match_prefix(req("y", list(range(13)))) == a.blocks[:3], "blocks full by chunk and by decode hit"
+    kv.free(a)  # preempted: its blocks stay cached until reused
+    for block in kv.pool.allocate(kv.pool.num_free):  # every free block reused: the old hashes are evicted
+        kv.pool.free([block])
+    assert kv.match_prefix(req("z", list(range(13)))) == []
+    a.num_computed = 0
+    assert kv.allocate(a, 12)  # resumed: recomputes everything into new blocks
+    assert kv.match_prefix(req("w", list(range(13)))) == a.blocks[:3], "published again in its new tenancy"

@@ -56,13 +56,16 @@ class KVCacheManager:
         assert fresh is not None
         req.blocks.extend(hit_blocks)
         req.blocks.extend(fresh)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching:  # (only blocks that became full since: vLLM's num_cached_block)
             self._update_hashes(req)
-            for i in range(min(total // self.block_size, len(req.hashes))):
+            full = min(total // self.block_size, len(req.hashes))
+            for i in range(req.num_published_blocks, full):
                 self.pool.cache_block(req.blocks[i], req.hashes[i])
+            req.num_published_blocks = max(req.num_published_blocks, full)
         return True
 
     def free(self, req: Request) -> None:
         """Returns the request's blocks to the pool (they stay cached until reused)."""
         self.pool.free(req.blocks)
         req.blocks = []
+        req.num_published_blocks = 0

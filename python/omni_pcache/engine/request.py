@@ -31,6 +31,7 @@ class Request:
     num_computed: int = 0
     blocks: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)
+    num_published_blocks: int = 0  # leading blocks of ``blocks`` already published under their hashes
     status: Status = Status.WAITING
     scheduled_before: bool = False
     preempted: bool = False
