@@ -22,8 +22,9 @@ struct Scheduled {
 type Begun = (usize, usize, Vec<String>);
 
 /// A request id: a `str` that is valid UTF-8 (not a lone surrogate); else
-/// `InvalidInputError("{what} holds request ids (str, valid UTF-8), got ...")`.
-fn req_id_of(value: &Bound<'_, PyAny>, what: &str) -> PyResult<String> {
+/// `InvalidInputError("{what} holds request ids (str, valid UTF-8), got ...")`. `what` is
+/// formatted only for that error (callers pass `format_args!`: nothing is built per id).
+fn req_id_of(value: &Bound<'_, PyAny>, what: &dyn std::fmt::Display) -> PyResult<String> {
     match value.cast::<PyString>().map(|s| s.to_str()) {
         Ok(Ok(text)) => Ok(text.to_owned()),
         _ => Err(invalid_input(format!(
@@ -49,10 +50,7 @@ impl Deliveries {
         num_blocks: u32,
     ) -> PyResult<Scheduled> {
         let py_id = req.getattr(pyo3::intern!(req.py(), "req_id"))?;
-        let req_id = match py_id.cast::<PyString>().map(|s| s.to_str()) {
-            Ok(Ok(text)) => text.to_owned(),
-            _ => req_id_of(&py_id, &format!("StepEvents.{kind} (its req_id)"))?, // (raises)
-        };
+        let req_id = req_id_of(&py_id, &format_args!("StepEvents.{kind} (its req_id)"))?;
         let id = || repr_of(&py_id); // (built only for an error message)
         let computed = req.getattr(pyo3::intern!(req.py(), "num_computed_tokens"))?;
         let num_computed = if computed.is_instance_of::<PyBool>() {
@@ -141,7 +139,7 @@ impl Deliveries {
     ) -> PyResult<Begun> {
         let finished = finished
             .try_iter()?
-            .map(|id| req_id_of(&id?, "StepEvents.finished"))
+            .map(|id| req_id_of(&id?, &"StepEvents.finished"))
             .collect::<PyResult<Vec<_>>>()?;
         let ending: HashSet<&str> = finished.iter().map(String::as_str).collect();
         let mut scheduled = Vec::new();
@@ -198,7 +196,7 @@ impl Deliveries {
         let mut spans = Vec::with_capacity(rows.len());
         for (req_id, span) in rows.iter() {
             let (first_row, count): (usize, usize) = span.extract()?;
-            spans.push((req_id_of(&req_id, "StepBatch.req_ids")?, first_row, count));
+            spans.push((req_id_of(&req_id, &"StepBatch.req_ids")?, first_row, count));
             keys.push(req_id);
         }
         let (out, reads) = self
