@@ -183,10 +183,10 @@ def test_a_write_by_save_refused_in_its_native_call_is_sticky_and_releases_every
     with small_cache(staging_depth=2, claim_timeout_s=5.0) as cache:
         write = cache._writer.write_step_now
 
-        def task_failed_first(page, keys, task_ids, offsets):
+        def task_failed_first(page, keys, task_ids, offsets, arrays):
             assert task_ids == [0] and offsets == [0], "one task for the whole step"
             cache._tasks.fail(task_ids[0])
-            write(page, keys, task_ids, offsets)
+            write(page, keys, task_ids, offsets, arrays)
 
         cache._writer.write_step_now = task_failed_first
         cache.begin_step(StepEvents(new=[NewRequest("a", [0]), NewRequest("b", [1])]))

@@ -120,7 +120,7 @@ def recording_host_copies(monkeypatch) -> list[str]:
 
 def test_cpu_staging_copies_run_on_the_committer_not_in_save(monkeypatch) -> None:
     copiers = recording_host_copies(monkeypatch)
-    with small_cache() as cache:
+    with small_cache(inline_write_bytes=0) as cache:  # (else save writes the step from the caller's tensor)
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
         h = torch.arange(8.0).reshape(4, 2)
         sid = cache.save(h, {}, StepBatch(["a"], [4], np.arange(4)))

@@ -161,7 +161,7 @@ def test_a_step_run_that_does_not_fit_its_page_is_refused_before_anything_change
         write_step_rows(tasks, ledger, [task], [0], [(key, page, read_only)])
     with pytest.raises(InvalidInputError, match="key#0: pool: The given array is already borrowed"):
         write_step_rows(tasks, ledger, [task], [0], [(key, pool, pool)])  # the same array twice
-    with pytest.raises(InvalidInputError, match="page and pool must be C-contiguous rows of 4 bytes"):
+    with pytest.raises(InvalidInputError, match="page rows of 8 bytes into a pool of 4-byte rows"):
         write_step_rows(tasks, ledger, [task], [0], [(key, np.zeros((4, 8), dtype=np.uint8), pool)])
     with pytest.raises(InvalidInputError, match=r"key#0: row position 4 at 1 is out of range \[0, 4\)"):
         write_step_rows(tasks, ledger, [task], [3], [(key, page, pool)])
@@ -247,3 +247,32 @@ def test_a_small_step_written_by_its_saver_is_committed_released_and_forgotten_i
     with pytest.raises(TaskStateError, match="illegal transition QUEUED -> QUEUED"):
         write_step_now(tasks, ledger, staging, page, [queued], [0], [(key, rows, pool)])
     assert tasks.state(queued) == "QUEUED" and not pool[5].any()
+
+
+def test_a_step_written_by_its_saver_may_read_its_rows_from_arrays_of_any_numeric_dtype() -> None:
+    """`write_step_now` reads each key's rows from a C-contiguous array of the rows' own dtype
+    (what `pool.numpy_rows` gives: 16-bit floats as int16), one row per index of dim 0, and
+    refuses an array it cannot read as rows, before anything changes."""
+    tasks, ledger, staging = WriteTasks(), Ledger(16), StagingSlots(2)
+    wide, narrow = ledger.add_key(), ledger.add_key()
+    page = staging.claim(("step", 0))
+    slots = np.array([3, 4, 9], dtype=np.int64)
+    ids, _ = claim_step(tasks, ledger, staging, page, slots, [3], [wide, narrow])
+    hidden = np.arange(3 * 2, dtype=np.float32).reshape(3, 2) + 0.5  # rows of 8 bytes
+    codes = np.array([[-1, 7], [300, -300], [5, 6]], dtype=np.int16)  # rows of 4 bytes (a bf16 pair's bits)
+    pools = np.zeros((16, 8), dtype=np.uint8), np.zeros((16, 4), dtype=np.uint8)
+    for bad, why in (
+        (np.zeros((3, 4), dtype=np.float16), "page: rows must be a numpy array of .* got an array of dtype float16"),
+        (np.zeros((3, 4, 2), dtype=np.int16)[:, :, 0], "page: rows must be a C-contiguous array"),
+        (np.zeros((3, 1), dtype=np.float64), "page rows of 8 bytes into a pool of 4-byte rows"),
+        ([1, 2], "page: rows must be a numpy array of .* got a list"),
+    ):
+        with pytest.raises(InvalidInputError, match=f"write_step_now: key#1: {why}"):
+            write_step_now(tasks, ledger, staging, page, ids, [0], [(wide, hidden, pools[0]), (narrow, bad, pools[1])])
+        assert tasks.state(ids[0]) == "PENDING" and not pools[0].any(), "refused: nothing changed"
+    written = write_step_now(
+        tasks, ledger, staging, page, ids, [0], [(wide, hidden, pools[0]), (narrow, codes, pools[1])]
+    )
+    assert written == [3, 3]
+    np.testing.assert_array_equal(pools[0][slots].view(np.float32), hidden)
+    np.testing.assert_array_equal(pools[1][slots].view(np.int16), codes)

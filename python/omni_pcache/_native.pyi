@@ -198,13 +198,16 @@ def write_step_now(
     page: int,
     task_ids: Sequence[int],
     offsets: Sequence[int],
-    keys: Sequence[tuple[int, npt.NDArray[np.uint8], npt.NDArray[np.uint8]]],
+    keys: Sequence[tuple[int, npt.NDArray[Any], npt.NDArray[np.uint8]]],
 ) -> list[int]:
     """A small step written whole by the thread that saved it (holding the pool writer's lock):
     its PENDING tasks go to COPYING with no queue entry, their owned rows are copied as in
     `write_step_rows` (keeping the GIL), then they are WRITTEN, committed, their holds on
     staging page ``page`` dropped and the tasks dropped from the table without a completion.
-    Returns the rows written per key; refusals as `write_step_rows`."""
+    Each key's rows are read from its staging page (uint8 rows) or from any C-contiguous array
+    of uint8, int8, int16, int32, int64, float32 or float64 whose dim 0 indexes rows of the
+    pool's byte width (the step's own copies, `row_arrays.numpy_rows`). Returns the rows
+    written per key; refusals as `write_step_rows`, and an array it cannot read as rows."""
 
 def check_batch(
     req_ids: Iterable[Any], counts: Iterable[Any], slot_mapping: Any, capacity: int, num_slots: int

@@ -5,10 +5,11 @@ hit spans, escalates the writes of finished ones and fences last step's copies; 
 (after the forward) launches the copy of the step's per-token rows into a staging page (one
 copy per key, see `omni_pcache.copy_engine`), claims their slots in the ledger under one
 write task per request (`omni_pcache.claims`), plans this step's hit reads, snapshots
-leftover mm and returns a step id. The committer thread writes the pool, except a small all-CPU step
-that save writes itself while the committer is idle. `materialize` (any thread,
-possibly a step late) returns per request the cached prefix rows followed by this step's
-rows (assembled by `omni_pcache.outputs`); `discard` consumes a step id nobody needs.
+leftover mm and returns a step id. The committer thread writes the pool, except a small
+all-CPU step that save writes itself while the committer is idle (from copies of its own, not
+the page). `materialize` (any thread, possibly a step late) returns per request the cached
+prefix rows followed by this step's rows (assembled by `omni_pcache.outputs`); `discard`
+consumes a step id nobody needs.
 
 Locks: one *ledger lock* makes ledger calls atomic with the Python bookkeeping around them
 (claims with copy-on-write obligations, commits with closing a write record, validation with
@@ -45,11 +46,12 @@ from omni_pcache.errors import (
 )
 from omni_pcache.events import NewRequest, ResumedRequest, StepBatch, StepEvents, StepOutputs
 from omni_pcache.keys import KeyRegistry, StepKeys
-from omni_pcache.outputs import OutputBuilder, StepRecord
+from omni_pcache.outputs import OutputBuilder, StepRecord, host_copy
 from omni_pcache.pages import StagingPages
 from omni_pcache.pool import HostPool
 from omni_pcache.preserve import PreservedRows
 from omni_pcache.reads import HitRead, HitReader
+from omni_pcache.row_arrays import numpy_rows
 from omni_pcache.snapshot import snapshot
 from omni_pcache.stats import CacheStats, Counters
 from omni_pcache.steps import StepPages
@@ -260,22 +262,36 @@ class PrefixCache:
         specs, immediate, deferred = keys.specs, keys.immediate, keys.deferred
         step_id, page = self._steps.issue()
         handle: CopyHandle | None = None
+        now = False  # (save writes the step to the pool itself, holding the writer's lock)
+        arrays: dict[str, Any] | None = None
         try:
             copy = self._copies.start()
-            sources: dict[str, torch.Tensor] = {}
-            staged: dict[str, torch.Tensor] = {}
+            sources: dict[str, torch.Tensor] = {}  # the caller's CPU rows, per immediate key
+            staged: dict[str, torch.Tensor] = {}  # the step's rows, per immediate key: page views or own copies
             for spec in immediate:
                 src = cached[spec.name][1]
                 if src.shape[0] != shape.n:  # (padded past the scheduled rows; else no view to make)
                     src = src[: shape.n]
-                staged[spec.name] = dst = self._pages.page(spec.name, page)[: shape.n]
-                copy.copy(dst, src)
                 if not src.is_cuda:
                     sources[spec.name] = src
+                staged[spec.name] = src
+            if self._owns_rows(shape.n, keys, sources) and (now := self._committer.hold_writer()):
+                arrays = self._own_rows(keys, staged)
+                if arrays is None:  # (rows numpy cannot show as they are: the page path below decides)
+                    self._committer.release_writer()
+                    now = False
+            if arrays is None:
+                for name, src in staged.items():
+                    staged[name] = dst = self._pages.page(name, page)[: shape.n]
+                    copy.copy(dst, src)
+            else:  # materialize reads the step's own copies, never the caller's tensors
+                sources = {}
             kept_leftover = {name: snapshot(value, copy, name) for name, value in leftover.items()}
             handle = copy.finish()
             clones = self._deferred.clone_step(deferred, cached, shape)  # charges only if it returns
         except BaseException as exc:  # a leftover that cannot be copied, no device budget in time, ...
+            if now:
+                self._committer.release_writer()
             self._abandon_save(step_id, page, handle)
             if self._failure is not None or isinstance(exc, CacheClosedError):  # every call raises the failure
                 raise self._closed_error("the cache was closed during save") from None
@@ -290,9 +306,9 @@ class PrefixCache:
                 self._committer.notify(flushed)
         # A small all-CPU step is written here, before its hits are planned, while the committer
         # is idle: its tasks are never queued and no record of them is kept (see `_write_step_now`).
-        now = False
         try:
-            now = self._write_here(shape.n, keys, sources, handle) and self._committer.hold_writer()
+            if not now:
+                now = self._write_here(shape.n, keys, sources, handle) and self._committer.hold_writer()
             try:
                 task_ids, from_pool, from_deferred = self._claims.claim(
                     step_id, page, shape, immediate, deferred, handle, clones, not now, keys.omitted
@@ -301,7 +317,7 @@ class PrefixCache:
                 raise self._closed_error("the cache was closed during save") from None
             self._claims.keep_aside(from_pool, from_deferred)  # (before this step's rows overwrite them)
             if now and task_ids:
-                self._write_step_now(step_id, page, shape, immediate, task_ids)
+                self._write_step_now(step_id, page, shape, immediate, task_ids, arrays)
         finally:
             if now:
                 self._committer.release_writer()
@@ -310,7 +326,7 @@ class PrefixCache:
             hits: dict[str, HitRead] = {req: self._reader.plan(req, read, specs) for req, read in reads.items()}
             self._steps.records[step_id] = StepRecord(
                 step_id, page, handle, shape.n, shape.n_padded, rows, list(cached), hits, kept_leftover, clones,
-                sources, staged, threading.get_ident(), self._copies.epoch, keys.max_row_bytes,
+                sources, staged, threading.get_ident(), self._copies.epoch, keys.max_row_bytes, arrays is not None,
             )  # fmt: skip
         if now:
             return step_id
@@ -338,6 +354,35 @@ class PrefixCache:
         for spec in keys.immediate:
             self._pages.ensure(spec)
 
+    def _owns_rows(self, n: int, keys: StepKeys, sources: dict) -> bool:
+        """Whether save copies the step's rows into tensors of its own (not the staging page) and
+        writes the pool from them itself: a small all-CPU step without deferred keys (see
+        `CacheConfig.inline_write_bytes`) whose dtypes the native write reads as they are
+        (`row_arrays.numpy_rows`). Materialize then hands those copies out as they are, for a step
+        without hits returned whole, instead of copying the page once more."""
+        return (
+            not keys.deferred
+            and len(sources) == len(keys.immediate)
+            and n * keys.immediate_row_bytes < self._config.inline_write_bytes
+            and keys.immediate_numpy_readable
+        )
+
+    @staticmethod
+    def _own_rows(keys: StepKeys, rows: dict[str, torch.Tensor]) -> dict[str, Any] | None:
+        """Replaces each of ``rows`` (the caller's tensors) by a contiguous copy of its own and
+        returns their numpy arrays (keys with bytes) for the pool write; ``None``, with ``rows``
+        unchanged, for rows numpy cannot show as they are (`row_arrays.numpy_rows`)."""
+        owned = {name: host_copy(src.detach() if src.requires_grad else src) for name, src in rows.items()}
+        arrays = {}
+        for spec in keys.immediate:
+            if spec.row_bytes:
+                array = numpy_rows(owned[spec.name])
+                if array is None:
+                    return None
+                arrays[spec.name] = array
+        rows.update(owned)
+        return arrays
+
     def _write_here(self, n: int, keys: StepKeys, sources: dict, handle: CopyHandle) -> bool:
         """Whether save may write its step to the pool itself: a small step whose rows all came
         from CPU tensors and are already copied, without deferred keys (see
@@ -349,14 +394,17 @@ class PrefixCache:
             and handle.done()
         )
 
-    def _write_step_now(self, step_id: int, page: int, shape, immediate: list, task_ids: list[int]) -> None:
+    def _write_step_now(
+        self, step_id: int, page: int, shape, immediate: list, task_ids: list[int], arrays: dict | None
+    ) -> None:
         """Writes the step's one new task (all its rows) to the pool on the engine thread,
-        holding the writer's lock (one native call: `PoolWriter.write_step_now`). Its hits are
+        holding the writer's lock (one native call: `PoolWriter.write_step_now`), from the step's
+        own copies' ``arrays`` (else from the staging page). Its hits are
         planned after it, so they read these rows from the pool; nothing else can name the task
         yet, so it is not recorded. Its own failure is made sticky, as the committer's are, and raised by the next
         call; a write refused because the cache failed meanwhile raises that failure now."""
         try:
-            self._writer.write_step_now(page, immediate, task_ids, [0])  # (one task: the step's rows from row 0)
+            self._writer.write_step_now(page, immediate, task_ids, [0], arrays)  # (one task: its rows from row 0)
         except BaseException as exc:
             failed_before = self._failure is not None
             reqs = shape.claim_req_ids  # (the one task holds every request's rows)

@@ -19,6 +19,7 @@ import torch
 
 from omni_pcache.config import HIDDEN, CachePolicy
 from omni_pcache.errors import InvalidInputError
+from omni_pcache.row_arrays import numpy_readable
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,9 @@ class StepKeys:
     deferred: tuple[KeySpec, ...]
     immediate_row_bytes: int  # bytes of one row of every immediate key
     max_row_bytes: int  # the widest row of any key (0 without keys)
+    # Whether every immediate key's rows can be read by the native write as numpy arrays of
+    # their own dtype (`row_arrays.numpy_rows`), as a small step save writes itself is.
+    immediate_numpy_readable: bool
     # Keys registered before that these are not (a step that leaves them out has no rows of
     # them): current, since registering a key drops every `StepKeys` made before it.
     omitted: tuple[KeySpec, ...] = ()
@@ -164,6 +168,7 @@ class KeyRegistry:
             tuple(spec for spec in specs if spec.name in deferred_names),
             sum(spec.row_bytes for spec in immediate),
             max((spec.row_bytes for spec in specs), default=0),
+            all(numpy_readable(spec.dtype) for spec in immediate),
             tuple(spec for name, spec in self._specs.items() if name not in cached),
         )
         prepare(keys)

@@ -4,7 +4,9 @@ Per request, the rows it returns come from: the pool (a hit's span, gathered by 
 straight into the front of the request's rows), and this step's rows behind them — read from
 the caller's CPU tensors when materialize runs on the saving thread before the next
 `begin_step` (the caller may not reuse them until then), else from the staging page once the
-step's copy is done, or from a deferred key's device clone.
+step's copy is done, or from a deferred key's device clone. A small all-CPU step save wrote
+itself has its own copies instead of page rows (``StepRecord.owned``): read at once, and
+handed out as they are when the step has no hits and is returned whole.
 
 The requests' tensors of a key are slices of one new host tensor per chunk of requests, as a
 batch's rows are slices of the batch: one allocation and, for consecutive requests without
@@ -85,6 +87,9 @@ class StepRecord:
     saved_by: int
     epoch: int
     row_bytes: int  # the widest cached key's bytes per row (sizes the output chunks)
+    # ``staged`` holds the step's own copies (a small all-CPU step save wrote from them), not
+    # page views: nobody else reads them, so a step without hits returned whole hands them out.
+    owned: bool = False
 
 
 class OutputBuilder:
@@ -114,7 +119,14 @@ class OutputBuilder:
             # Each chunk is one copy of a contiguous span of the step's rows per key.
             self._wait_copy(record, in_place)
             bounds = output_chunks(sizes, record.row_bytes)
-            if len(bounds) == 1:  # (the usual case: no view to make)
+            if record.owned:  # (the step's own copies, read once: no copy to make)
+                chunks = [
+                    {name: src[spans[a][0] : spans[b - 1][0] + spans[b - 1][1]] for name, src in sources.items()}
+                    if len(bounds) > 1
+                    else sources
+                    for a, b in bounds
+                ]
+            elif len(bounds) == 1:  # (the usual case: no view to make)
                 chunks = [{name: host_copy(src) for name, src in sources.items()}]
             else:
                 chunks = [

@@ -219,14 +219,25 @@ class PoolWriter:
         written = write_step_rows(self._tasks, self._ledger, task_ids, record.offsets(task_ids), targets)
         self._count_written(keys, written)
 
-    def write_step_now(self, page: int, keys: tuple[KeySpec, ...], task_ids: list[int], offsets: list[int]) -> None:
+    def write_step_now(
+        self,
+        page: int,
+        keys: tuple[KeySpec, ...],
+        task_ids: list[int],
+        offsets: list[int],
+        arrays: dict[str, np.ndarray] | None = None,
+    ) -> None:
         """A small step's new (PENDING) tasks written whole by the thread that saved it, which
         holds the writer's lock (`Committer.hold_writer`): queued and popped at once, their rows
-        copied from staging page ``page`` (task ``i``'s from row ``offsets[i]``), committed,
+        copied from staging page ``page``, or from ``arrays`` when given (per key with bytes, the
+        step's own copies of its rows as `row_arrays.numpy_rows` shows them; task ``i``'s from row
+        ``offsets[i]``), committed,
         released and forgotten, in one native call (`_native.write_step_now`), under the ledger
         lock (atomic with the commit, as `write_batch`'s closing is; the copy is small). No
         record of them is kept: nothing waits on them, and no read was planned on them yet."""
         keys, targets = self._targets(keys, page)
+        if arrays is not None:
+            targets = [(key_id, arrays[spec.name], pool) for spec, (key_id, _, pool) in zip(keys, targets, strict=True)]
         with self._cond:
             written = write_step_now(self._tasks, self._ledger, self._staging, page, task_ids, offsets, targets)
         self._count_written(keys, written)

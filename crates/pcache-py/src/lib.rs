@@ -14,6 +14,7 @@ mod errors;
 mod hashing;
 mod ledger;
 mod registries;
+mod row_bytes;
 mod scatter;
 mod tasks;
 

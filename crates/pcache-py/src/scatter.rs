@@ -2,7 +2,7 @@
 //! `pcache_core::row_scatter`), without the GIL; `write_step_rows`: the pool writer's whole
 //! write of a run of one step's tasks (state transitions, owned rows, scatter) in one call.
 
-use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
+use numpy::{PyArray2, PyArrayMethods, PyReadwriteArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use pcache_core::ledger::contiguous_from;
@@ -14,6 +14,7 @@ use crate::convert::{IndexSlice, Indices};
 use crate::errors::{invalid_input, IntoPy};
 use crate::ledger::Ledger;
 use crate::registries::StagingSlots;
+use crate::row_bytes::RowBytes;
 use crate::tasks::WriteTasks;
 
 /// Copies row `i` of `rows` to row `slots[i]` of `pool`: both C-contiguous 2-D `uint8`
@@ -68,9 +69,11 @@ pub fn scatter_rows(
         .map_err(|err| invalid_input(format!("scatter_rows: {err}")))
 }
 
-/// One key's rows of a step: its id, the step's staging page and the key's pool, both
-/// C-contiguous `(rows, row_bytes)` uint8 arrays with rows of the same width.
-type KeyRows<'py> = (u32, Bound<'py, PyArray2<u8>>, Bound<'py, PyArray2<u8>>);
+/// One key's rows of a step: its id, where the rows are read (the step's staging page as a
+/// `(rows, row_bytes)` uint8 array, or for `write_step_now` the caller's own array of any
+/// dtype `RowBytes` takes) and the key's pool, a `(num_slots, row_bytes)` uint8 array; both
+/// C-contiguous with rows of the same byte width.
+type KeyRows<'py> = (u32, Bound<'py, PyAny>, Bound<'py, PyArray2<u8>>);
 
 /// Closes a run of one step's written tasks in one call, the usual end of a write (the pool's
 /// writer, under the cache's ledger lock, when no copy-on-write obligation is owed on them):
@@ -114,20 +117,21 @@ enum Source {
     Positions(Vec<i64>),
 }
 
-/// One key's part of a step run's write, checked and borrowed: the page and pool (their numpy
-/// borrows taken, so a read-only or doubly passed array is refused before anything changes),
-/// the owned rows and the slots they go to.
+/// One key's part of a step run's write, checked and borrowed: the rows' source and the pool
+/// (their numpy borrows taken, so a read-only or doubly passed array is refused before
+/// anything changes), the owned rows and the slots they go to.
 struct KeyWrite<'py> {
     key_id: u32,
     row_bytes: usize,
-    page: PyReadonlyArray2<'py, u8>,
+    page: RowBytes<'py>,
     pool: PyReadwriteArray2<'py, u8>,
     source: Source,
     slots: Vec<i64>,
 }
 
-/// Checks one key's page and pool, finds the rows the tasks still own (the ledger lock held
-/// only for that lookup) and borrows both arrays; `None` when there is nothing to copy.
+/// Checks one key's rows source (page) and pool, finds the rows the tasks still own (the
+/// ledger lock held only for that lookup) and borrows both arrays; `None` when there is
+/// nothing to copy.
 fn plan_key<'py>(
     what: &str,
     ledger: &Ledger,
@@ -141,12 +145,19 @@ fn plan_key<'py>(
         return Ok(None);
     }
     let refused = |why: String| invalid_input(format!("{what}: key#{key_id}: {why}"));
-    if !pool.is_c_contiguous() || !page.is_c_contiguous() || page.shape()[1] != row_bytes {
+    if !pool.is_c_contiguous() {
         return Err(refused(format!(
-            "page and pool must be C-contiguous rows of {row_bytes} bytes"
+            "the pool must be C-contiguous rows of {row_bytes} bytes"
         )));
     }
-    let page_rows = page.shape()[0];
+    let page = RowBytes::borrow(page).map_err(|why| refused(format!("page: {why}")))?;
+    let page_rows = page.rows();
+    if page.bytes().len() != page_rows * row_bytes {
+        return Err(refused(format!(
+            "page rows of {} bytes into a pool of {row_bytes}-byte rows",
+            page.bytes().len() / page_rows.max(1)
+        )));
+    }
     let source = match contiguous_from(&positions) {
         Some(first)
             if first >= 0
@@ -170,9 +181,6 @@ fn plan_key<'py>(
         &slots,
     )
     .map_err(|err| refused(err.to_string()))?;
-    let page = page
-        .try_readonly()
-        .map_err(|err| refused(format!("page: {err}")))?;
     let pool = pool
         .try_readwrite()
         .map_err(|err| refused(format!("pool: {err}")))?;
@@ -265,7 +273,7 @@ fn copy_planned_rows(
         .collect();
     for mut plan in plans.into_iter().flatten() {
         let (key_id, row_bytes) = (plan.key_id, plan.row_bytes);
-        let page = plan.page.as_slice().expect("checked C-contiguous");
+        let page = plan.page.bytes();
         let pool = plan.pool.as_slice_mut().expect("checked C-contiguous");
         let (source, slots) = (&plan.source, &plan.slots);
         let mut copy = move || match source {
