@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cachekit import small_cache, start_thread
-from omni_pcache import CachePolicy, NewRequest, StepBatch, StepEvents, WriteFailedError
+from omni_pcache import CacheClosedError, CachePolicy, NewRequest, StepBatch, StepEvents, WriteFailedError
 
 
 def save_one(cache, first_slot=0, n=2):
@@ -174,6 +174,26 @@ def test_a_save_that_cannot_make_room_for_a_new_key_raises_and_the_next_save_tri
         assert calls == ["hidden", "hidden"]
         cache.materialize(save_one(cache, first_slot=2), ["a"])
         assert calls == ["hidden", "hidden"], "room made once the key set is known"
+
+
+@pytest.mark.parametrize("inline_write_bytes", [0, None], ids=["committer", "written-in-save"])
+def test_a_save_whose_claims_find_the_cache_closed_leaves_no_step_outstanding(inline_write_bytes) -> None:
+    """The staging registry closes between a save's step id and its claims (close() on another
+    thread, or a committer failure releasing everything): the native claim refuses, save raises
+    CacheClosedError, and its step id is not left outstanding in the stats."""
+    overrides = {} if inline_write_bytes is None else {"inline_write_bytes": inline_write_bytes}
+    with small_cache(**overrides) as cache:
+        claim = cache._claims.claim
+
+        def closed_meanwhile(*args):
+            cache._staging.close()  # (what close() and the failure path do to the registry)
+            return claim(*args)
+
+        cache._claims.claim = closed_meanwhile
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        with pytest.raises(CacheClosedError, match="the cache was closed during save"):
+            save_one(cache)
+        assert cache.stats().steps_outstanding == [] and cache.stats().tasks_live == 0
 
 
 def test_a_write_by_save_refused_in_its_native_call_is_sticky_and_releases_everything() -> None:

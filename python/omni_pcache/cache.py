@@ -314,6 +314,7 @@ class PrefixCache:
                     step_id, page, shape, immediate, deferred, handle, clones, not now, keys.omitted
                 )
             except CacheClosedError:  # (claims fail only when the cache failed or closed meanwhile)
+                self._abandon_save(step_id, page, handle)  # (a refused claim holds nothing: nor does the step)
                 raise self._closed_error("the cache was closed during save") from None
             self._claims.keep_aside(from_pool, from_deferred)  # (before this step's rows overwrite them)
             if now and task_ids:
