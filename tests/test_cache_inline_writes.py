@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cachekit import rows, small_cache
-from omni_pcache import NewRequest, StepBatch, StepEvents, outputs
+from omni_pcache import InvalidInputError, NewRequest, StepBatch, StepEvents, outputs
 from omni_pcache.row_arrays import numpy_rows
 
 
@@ -58,7 +58,8 @@ def test_a_step_without_hits_hands_out_saves_own_copies_which_alias_neither_the_
         assert torch.equal(hit_rows(cache, [0, 2], 4, 8), saved[:4])
 
 
-def test_a_step_materialized_after_the_next_begin_step_or_on_another_thread_gets_its_rows() -> None:
+def test_a_step_materialized_after_the_next_begin_step_or_on_another_thread_gets_its_rows(monkeypatch) -> None:
+    copied = counting_output_copies(monkeypatch)
     with small_cache() as cache:
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1]), NewRequest("b", [2, 3])]))
         buffer = rows(1, 0, 8)
@@ -73,6 +74,35 @@ def test_a_step_materialized_after_the_next_begin_step_or_on_another_thread_gets
         thread.join(10)
         assert torch.equal(cache.materialize(first, ["a"]).hidden["a"], saved)
         assert torch.equal(got[0], rows(2, 0, 8))
+        assert copied == [], "both handed out save's own copies"
+
+
+def test_a_save_refused_after_taking_the_writers_lock_releases_it() -> None:
+    """A step save would write itself, refused after save took the pool writer's lock (its
+    leftover cannot be copied): the lock is released, so the next step is written inside save
+    again and the committer can still write."""
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1]), NewRequest("b", [2, 3])]))
+        with pytest.raises(InvalidInputError, match="lock"):
+            cache.save(rows(1, 0, 4), {"lock": threading.Lock()}, StepBatch(["a"], [4], np.arange(4)))
+        sid = cache.save(rows(1, 0, 4), {}, StepBatch(["a"], [4], np.arange(4)))
+        assert cache.stats().tasks_live == 0, "written inside save: the writer's lock was free"
+        big = cache.save(torch.zeros(8, 3), {}, StepBatch(["b"], [8], np.arange(8, 16)))  # (as the committer would)
+        cache.flush(timeout_s=5)
+        cache.discard(big)
+        assert torch.equal(cache.materialize(sid, ["a"]).hidden["a"], rows(1, 0, 4))
+
+
+def test_a_step_with_a_key_too_big_to_copy_in_save_goes_through_the_page(monkeypatch) -> None:
+    """Each key's rows must be small enough to copy inside save (`copy_engine.INLINE_COPY_BYTES`),
+    whatever `inline_write_bytes` allows: a bigger one is the committer's to copy, as before."""
+    copied = counting_output_copies(monkeypatch)
+    with small_cache(inline_write_bytes=64 << 20) as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        wide = torch.randn(8, 10_000)  # 320 KB
+        sid = cache.save(wide, {}, StepBatch(["a"], [8], np.arange(8)))
+        assert torch.equal(cache.materialize(sid, ["a"]).hidden["a"], wide)
+        assert copied == [8], "copied out of the page (or the caller's tensor), not handed out"
 
 
 def test_a_step_with_hits_copies_its_own_rows_behind_the_hit_rows() -> None:
@@ -109,19 +139,41 @@ def test_a_step_save_cannot_write_itself_goes_through_the_page_with_the_same_row
         assert torch.equal(cache.materialize(sid, ["b"]).hidden["b"], small)
 
 
-DTYPES = [torch.bfloat16, torch.float16, torch.bool, torch.int64, torch.uint8, torch.float64, torch.float8_e4m3fn]
+DTYPES = [
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+]
+SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits, as same-width integers (so -0.0 and NaN compare as what they are)."""
+    return t.view(SAME_WIDTH_INT[t.element_size()])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_every_dtype_and_row_shape_reaches_the_pool_bit_for_bit(dtype) -> None:
     """Rows written inside save from its own copies (the native write reads their bytes: 16-bit
-    floats as int16, bools and 8-bit floats as uint8) come back unchanged on a hit."""
+    floats as int16, bools and 8-bit floats as uint8) come back bit for bit on a hit."""
     if dtype == torch.bool:
         hidden, codes = torch.rand(8, 3) > 0.5, torch.rand(8) > 0.5
     elif dtype.is_floating_point:
         hidden, codes = torch.randn(8, 3).to(dtype), torch.randn(8, 2, 2).to(dtype)
+        if dtype.itemsize > 1:  # (signed zeros and NaNs: bits a value comparison would not check)
+            hidden[0, :2] = torch.tensor([-0.0, float("nan")], dtype=dtype)
     else:
-        hidden, codes = torch.randint(0, 100, (8, 3), dtype=dtype), torch.randint(0, 100, (8,), dtype=dtype)
+        hidden = torch.randint(0, 100, (8, 3), dtype=torch.int64).to(dtype)
+        codes = torch.randint(0, 100, (8,), dtype=torch.int64).to(dtype)
     assert numpy_rows(hidden) is not None and numpy_rows(codes) is not None, "read as they are, not via the page"
     with small_cache() as cache:
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
@@ -130,12 +182,8 @@ def test_every_dtype_and_row_shape_reaches_the_pool_bit_for_bit(dtype) -> None:
         cache.begin_step(StepEvents(new=[NewRequest("b", [0, 1, 2], 8)]))
         late = hidden[:1], codes[:1]
         out = cache.materialize(cache.save(late[0], {"codes": late[1]}, StepBatch(["b"], [1], np.array([8]))), ["b"])
-        same = (lambda a, b: torch.equal(a.view(torch.uint8), b.view(torch.uint8))) if dtype.itemsize == 1 else None
-        for got, want in (
-            (out.hidden["b"], torch.cat([hidden, late[0]])),
-            (out.mm["codes"]["b"], torch.cat([codes, late[1]])),
-        ):
-            assert same(got, want) if same else torch.equal(got, want)
+        assert torch.equal(bits(out.hidden["b"]), bits(torch.cat([hidden, late[0]])))
+        assert torch.equal(bits(out.mm["codes"]["b"]), bits(torch.cat([codes, late[1]])))
 
 
 def test_padded_strided_and_complex_rows_are_saved_whole() -> None:

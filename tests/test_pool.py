@@ -251,7 +251,7 @@ def test_a_small_step_written_by_its_saver_is_committed_released_and_forgotten_i
 
 def test_a_step_written_by_its_saver_may_read_its_rows_from_arrays_of_any_numeric_dtype() -> None:
     """`write_step_now` reads each key's rows from a C-contiguous array of the rows' own dtype
-    (what `pool.numpy_rows` gives: 16-bit floats as int16), one row per index of dim 0, and
+    (what `row_arrays.numpy_rows` gives: 16-bit floats as int16), one row per index of dim 0, and
     refuses an array it cannot read as rows, before anything changes."""
     tasks, ledger, staging = WriteTasks(), Ledger(16), StagingSlots(2)
     wide, narrow = ledger.add_key(), ledger.add_key()
@@ -266,6 +266,8 @@ def test_a_step_written_by_its_saver_may_read_its_rows_from_arrays_of_any_numeri
         (np.zeros((3, 4, 2), dtype=np.int16)[:, :, 0], "page: rows must be a C-contiguous array"),
         (np.zeros((3, 1), dtype=np.float64), "page rows of 8 bytes into a pool of 4-byte rows"),
         ([1, 2], "page: rows must be a numpy array of .* got a list"),
+        (np.empty((2**61, 0), dtype=np.uint8), "page rows of 0 bytes into a pool of 4-byte rows"),  # (no overflow)
+        (np.empty((0, 7), dtype=np.uint8), "page rows of 7 bytes into a pool of 4-byte rows"),
     ):
         with pytest.raises(InvalidInputError, match=f"write_step_now: key#1: {why}"):
             write_step_now(tasks, ledger, staging, page, ids, [0], [(wide, hidden, pools[0]), (narrow, bad, pools[1])])

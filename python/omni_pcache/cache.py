@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from omni_pcache import copy_engine
 from omni_pcache._native import Deliveries, Ledger, StagingSlots, WriteTasks
 from omni_pcache.claims import StepClaims
 from omni_pcache.committer import Committer
@@ -358,13 +359,15 @@ class PrefixCache:
     def _owns_rows(self, n: int, keys: StepKeys, sources: dict) -> bool:
         """Whether save copies the step's rows into tensors of its own (not the staging page) and
         writes the pool from them itself: a small all-CPU step without deferred keys (see
-        `CacheConfig.inline_write_bytes`) whose dtypes the native write reads as they are
+        `CacheConfig.inline_write_bytes`; each key's rows under `copy_engine.INLINE_COPY_BYTES`,
+        as for any copy save makes itself) whose dtypes the native write reads as they are
         (`row_arrays.numpy_rows`). Materialize then hands those copies out as they are, for a step
         without hits returned whole, instead of copying the page once more."""
         return (
             not keys.deferred
             and len(sources) == len(keys.immediate)
             and n * keys.immediate_row_bytes < self._config.inline_write_bytes
+            and n * keys.max_row_bytes < copy_engine.INLINE_COPY_BYTES  # (each key's copy small enough to make here)
             and keys.immediate_numpy_readable
         )
 

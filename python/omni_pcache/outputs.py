@@ -119,13 +119,8 @@ class OutputBuilder:
             # Each chunk is one copy of a contiguous span of the step's rows per key.
             self._wait_copy(record, in_place)
             bounds = output_chunks(sizes, record.row_bytes)
-            if record.owned:  # (the step's own copies, read once: no copy to make)
-                chunks = [
-                    {name: src[spans[a][0] : spans[b - 1][0] + spans[b - 1][1]] for name, src in sources.items()}
-                    if len(bounds) > 1
-                    else sources
-                    for a, b in bounds
-                ]
+            if record.owned and len(bounds) == 1:  # (the step's own copies, read once: no copy to make)
+                chunks = [sources]
             elif len(bounds) == 1:  # (the usual case: no view to make)
                 chunks = [{name: host_copy(src) for name, src in sources.items()}]
             else:

@@ -3,12 +3,14 @@
 //! (uint8 rows), and a small step's rows straight from the caller's arrays in the dtype they
 //! have (`write_step_now`), so the saving thread needs no uint8 view of them first.
 
-use numpy::{PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
+use numpy::{
+    PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArray, PyUntypedArrayMethods,
+};
 use pyo3::prelude::*;
 
 /// A borrowed array of one of the element types numpy arrays of a torch tensor have after
-/// `omni_pcache.pool.numpy_rows` (floats other than 32/64-bit and bools arrive as same-width
-/// integers).
+/// `omni_pcache.row_arrays.numpy_rows` (floats other than 32/64-bit and bools arrive as
+/// same-width integers).
 pub enum RowBytes<'py> {
     U8(PyReadonlyArrayDyn<'py, u8>),
     I8(PyReadonlyArrayDyn<'py, i8>),
@@ -51,8 +53,8 @@ impl<'py> RowBytes<'py> {
             };
         }
         typed!(u8 => U8, f32 => F32, i16 => I16, i64 => I64, i32 => I32, i8 => I8, f64 => F64);
-        let what = match obj.getattr("dtype") {
-            Ok(dtype) => format!("an array of dtype {dtype}"),
+        let what = match obj.cast::<PyUntypedArray>() {
+            Ok(array) => format!("an array of dtype {}", array.dtype()),
             Err(_) => format!(
                 "a {}",
                 obj.get_type()
@@ -70,10 +72,21 @@ impl<'py> RowBytes<'py> {
         each_array!(self, |a| a.shape()[0])
     }
 
+    /// Bytes per row: the other dimensions' elements times the element size (`None` past
+    /// `usize::MAX`), whatever the number of rows.
+    pub fn row_bytes(&self) -> Option<usize> {
+        each_array!(self, |a| row_bytes_of(a))
+    }
+
     /// Every row's bytes, in order (checked C-contiguous at [`RowBytes::borrow`]).
     pub fn bytes(&self) -> &[u8] {
         each_array!(self, |a| bytemuck::cast_slice(
             a.as_slice().expect("checked C-contiguous")
         ))
     }
+}
+
+/// [`RowBytes::row_bytes`] of one typed array.
+fn row_bytes_of<T: numpy::Element>(array: &PyReadonlyArrayDyn<'_, T>) -> Option<usize> {
+    (array.shape()[1..].iter()).try_fold(std::mem::size_of::<T>(), |n, &d| n.checked_mul(d))
 }

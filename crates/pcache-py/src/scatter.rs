@@ -141,23 +141,28 @@ fn plan_key<'py>(
 ) -> PyResult<Option<KeyWrite<'py>>> {
     let (positions, slots) = ledger.owned_rows(task_ids, *key_id, offsets)?;
     let row_bytes = pool.shape()[1];
+    let refused = |why: String| invalid_input(format!("{what}: key#{key_id}: {why}"));
+    // (checked before anything else, with or without rows to copy: rows that could not be
+    // written are refused even when this call has none to write)
+    let page = RowBytes::borrow(page).map_err(|why| refused(format!("page: {why}")))?;
+    if page.row_bytes() != Some(row_bytes) {
+        let width = page
+            .row_bytes()
+            .map_or("more than usize::MAX".into(), |w| w.to_string());
+        return Err(refused(format!(
+            "page rows of {width} bytes into a pool of {row_bytes}-byte rows"
+        )));
+    }
     if slots.is_empty() || row_bytes == 0 {
         return Ok(None);
     }
-    let refused = |why: String| invalid_input(format!("{what}: key#{key_id}: {why}"));
     if !pool.is_c_contiguous() {
         return Err(refused(format!(
             "the pool must be C-contiguous rows of {row_bytes} bytes"
         )));
     }
-    let page = RowBytes::borrow(page).map_err(|why| refused(format!("page: {why}")))?;
+    // (rows of `row_bytes` bytes in a real array: `page_rows * row_bytes` is its length)
     let page_rows = page.rows();
-    if page.bytes().len() != page_rows * row_bytes {
-        return Err(refused(format!(
-            "page rows of {} bytes into a pool of {row_bytes}-byte rows",
-            page.bytes().len() / page_rows.max(1)
-        )));
-    }
     let source = match contiguous_from(&positions) {
         Some(first)
             if first >= 0
