@@ -47,12 +47,12 @@ from omni_pcache.errors import (
 )
 from omni_pcache.events import NewRequest, ResumedRequest, StepBatch, StepEvents, StepOutputs
 from omni_pcache.keys import KeyRegistry, StepKeys
-from omni_pcache.outputs import OutputBuilder, StepRecord, host_copy
+from omni_pcache.outputs import OutputBuilder, StepRecord
 from omni_pcache.pages import StagingPages
 from omni_pcache.pool import HostPool
 from omni_pcache.preserve import PreservedRows
 from omni_pcache.reads import HitRead, HitReader
-from omni_pcache.row_arrays import numpy_rows
+from omni_pcache.row_arrays import own_copies
 from omni_pcache.snapshot import snapshot
 from omni_pcache.stats import CacheStats, Counters
 from omni_pcache.steps import StepPages
@@ -277,7 +277,7 @@ class PrefixCache:
                     sources[spec.name] = src
                 staged[spec.name] = src
             if self._owns_rows(shape.n, keys, sources) and (now := self._committer.hold_writer()):
-                arrays = self._own_rows(keys, staged)
+                arrays = own_copies(keys.immediate, staged)
                 if arrays is None:  # (rows numpy cannot show as they are: the page path below decides)
                     self._committer.release_writer()
                     now = False
@@ -370,22 +370,6 @@ class PrefixCache:
             and n * keys.max_row_bytes < copy_engine.INLINE_COPY_BYTES  # (each key's copy small enough to make here)
             and keys.immediate_numpy_readable
         )
-
-    @staticmethod
-    def _own_rows(keys: StepKeys, rows: dict[str, torch.Tensor]) -> dict[str, Any] | None:
-        """Replaces each of ``rows`` (the caller's tensors) by a contiguous copy of its own and
-        returns their numpy arrays (keys with bytes) for the pool write; ``None``, with ``rows``
-        unchanged, for rows numpy cannot show as they are (`row_arrays.numpy_rows`)."""
-        owned = {name: host_copy(src.detach() if src.requires_grad else src) for name, src in rows.items()}
-        arrays = {}
-        for spec in keys.immediate:
-            if spec.row_bytes:
-                array = numpy_rows(owned[spec.name])
-                if array is None:
-                    return None
-                arrays[spec.name] = array
-        rows.update(owned)
-        return arrays
 
     def _write_here(self, n: int, keys: StepKeys, sources: dict, handle: CopyHandle) -> bool:
         """Whether save may write its step to the pool itself: a small step whose rows all came

@@ -1,5 +1,6 @@
-"""A small step's rows as numpy arrays the native step write reads as they are
-(`_native.write_step_now`: each row's bytes, whatever they hold), without a uint8 view.
+"""A small step's own copies of its rows, and their numpy arrays, which the native step write
+reads as they are (`_native.write_step_now`: each row's bytes, whatever they hold), without a
+uint8 view (see `PrefixCache._owns_rows`).
 
 After a forward, every distinct torch call costs several times its hot time; ``tensor.numpy()``
 is one call where `pool.row_bytes_view` (a reshape, a dtype view, then numpy) is three.
@@ -41,4 +42,24 @@ def numpy_rows(tensor: torch.Tensor) -> np.ndarray | None:
         return None
 
 
-__all__ = ["numpy_readable", "numpy_rows"]
+def own_copies(specs, rows: dict[str, torch.Tensor]) -> dict[str, np.ndarray] | None:
+    """Replaces each of ``rows`` (the caller's CPU tensors, by key name) by a contiguous copy of
+    its own and returns the copies' numpy arrays for the keys of ``specs`` with bytes (the
+    pool write's); ``None``, with ``rows`` unchanged, for rows numpy cannot show as they are.
+    The engine thread, in save."""
+    owned = {}
+    for name, src in rows.items():
+        src = src.detach() if src.requires_grad else src
+        owned[name] = src.clone() if src.is_contiguous() else src.clone(memory_format=torch.contiguous_format)
+    arrays = {}
+    for spec in specs:
+        if spec.row_bytes:
+            array = numpy_rows(owned[spec.name])
+            if array is None:
+                return None
+            arrays[spec.name] = array
+    rows.update(owned)
+    return arrays
+
+
+__all__ = ["numpy_readable", "numpy_rows", "own_copies"]
