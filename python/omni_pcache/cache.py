@@ -46,6 +46,7 @@ from omni_pcache.errors import (
     WriteTimeoutError,
 )
 from omni_pcache.events import NewRequest, ResumedRequest, StepBatch, StepEvents, StepOutputs
+from omni_pcache.failure import release_everything, write_failed_error
 from omni_pcache.keys import KeyRegistry, StepKeys
 from omni_pcache.outputs import OutputBuilder, StepRecord
 from omni_pcache.pages import StagingPages
@@ -424,36 +425,22 @@ class PrefixCache:
                 record = self._records.get(task_id)
                 if what is None:
                     what = f"request {record.req_of(task_id)!r}, step {record.step_id}" if record else "unknown"
-                failed = f"write task#{task_id} ({what})" if task_id >= 0 else "the committer thread"
-                err = WriteFailedError(
-                    f"{failed} failed: {exc!r}; every later call raises this error: close the cache and build a new one"
-                )
-                err.task_id = task_id
-                err.__cause__ = exc
-                self._failure = err
+                self._failure = write_failed_error(task_id, exc, what)
             self._cond.notify_all()
         self._release_after_failure()
 
     def _release_after_failure(self) -> None:
+        """Releases everything the failed cache holds and wakes every waiter (`failure`)."""
         with self._cond:
-            for task_id, state in self._tasks.states():
-                if state not in ("WRITTEN", "FAILED"):
-                    self._tasks.fail(task_id)
-                try:
-                    self._ledger.abandon(task_id)
-                except InvalidInputError:
-                    pass
-            for hit_owner in self._steps.records.values():
-                for hit in hit_owner.hits.values():
-                    self._reader.release(hit)
-            for record in self._records.values():
-                if record.deferred:
-                    record.release()
-            self._deferred.drop_all()
-            self._staging.close()
-            for page, holders in enumerate(self._staging.holders()):
-                for holder in holders:
-                    self._staging.release(page, holder)
+            release_everything(
+                self._tasks,
+                self._ledger,
+                self._steps.records,
+                self._reader,
+                self._records,
+                self._deferred,
+                self._staging,
+            )
             self._cond.notify_all()
 
     # ---- any thread: materialize, discard ----------------------------------------------
