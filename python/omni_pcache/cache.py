@@ -277,7 +277,8 @@ class PrefixCache:
                 if not src.is_cuda:
                     sources[spec.name] = src
                 staged[spec.name] = src
-            if self._owns_rows(shape.n, keys, sources) and (now := self._committer.hold_writer()):
+            small = self._small_cpu_step(shape.n, keys, sources)
+            if small and self._owns_rows(shape.n, keys) and (now := self._committer.hold_writer()):
                 arrays = own_copies(keys.immediate, staged)
                 if arrays is None:  # (rows numpy cannot show as they are: the page path below decides)
                     self._committer.release_writer()
@@ -309,8 +310,8 @@ class PrefixCache:
         # A small all-CPU step is written here, before its hits are planned, while the committer
         # is idle: its tasks are never queued and no record of them is kept (see `_write_step_now`).
         try:
-            if not now:
-                now = self._write_here(shape.n, keys, sources, handle) and self._committer.hold_writer()
+            if not now:  # (rows in the page: written here once their copies are done)
+                now = small and handle.done() and self._committer.hold_writer()
             try:
                 task_ids, from_pool, from_deferred = self._claims.claim(
                     step_id, page, shape, immediate, deferred, handle, clones, not now, keys.omitted
@@ -357,31 +358,24 @@ class PrefixCache:
         for spec in keys.immediate:
             self._pages.ensure(spec)
 
-    def _owns_rows(self, n: int, keys: StepKeys, sources: dict) -> bool:
-        """Whether save copies the step's rows into tensors of its own (not the staging page) and
-        writes the pool from them itself: a small all-CPU step without deferred keys (see
-        `CacheConfig.inline_write_bytes`; each key's rows under `copy_engine.INLINE_COPY_BYTES`,
-        as for any copy save makes itself) whose dtypes the native write reads as they are
-        (`row_arrays.numpy_rows`). Materialize then hands those copies out as they are, for a step
-        without hits returned whole, instead of copying the page once more."""
+    def _small_cpu_step(self, n: int, keys: StepKeys, sources: dict) -> bool:
+        """Whether save may write its step to the pool itself: a step whose rows all come from
+        CPU tensors, without deferred keys, under `CacheConfig.inline_write_bytes`."""
         return (
             not keys.deferred
             and len(sources) == len(keys.immediate)
             and n * keys.immediate_row_bytes < self._config.inline_write_bytes
-            and n * keys.max_row_bytes < copy_engine.INLINE_COPY_BYTES  # (each key's copy small enough to make here)
-            and keys.immediate_numpy_readable
         )
 
-    def _write_here(self, n: int, keys: StepKeys, sources: dict, handle: CopyHandle) -> bool:
-        """Whether save may write its step to the pool itself: a small step whose rows all came
-        from CPU tensors and are already copied, without deferred keys (see
-        `CacheConfig.inline_write_bytes`)."""
-        return (
-            not keys.deferred
-            and len(sources) == len(keys.immediate)
-            and n * keys.immediate_row_bytes < self._config.inline_write_bytes
-            and handle.done()
-        )
+    @staticmethod
+    def _owns_rows(n: int, keys: StepKeys) -> bool:
+        """Whether save copies a small CPU step's rows (`_small_cpu_step`) into tensors of its own
+        (not the staging page) and writes the pool from them: each key's rows under
+        `copy_engine.INLINE_COPY_BYTES` (as for any copy save makes itself), of dtypes the native
+        write reads as they are (`row_arrays.numpy_rows`). Materialize then hands those copies
+        out as they are, for a step without hits returned whole, instead of copying the page
+        once more."""
+        return n * keys.max_row_bytes < copy_engine.INLINE_COPY_BYTES and keys.immediate_numpy_readable
 
     def _write_step_now(
         self, step_id: int, page: int, shape, immediate: list, task_ids: list[int], arrays: dict | None

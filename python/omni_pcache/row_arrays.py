@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from omni_pcache.copy_engine import host_copy
+
 _NUMPY_AS_IS = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float32, torch.float64})
 """Dtypes whose numpy arrays `_native.write_step_now` reads as they are."""
 
@@ -47,10 +49,7 @@ def own_copies(specs, rows: dict[str, torch.Tensor]) -> dict[str, np.ndarray] | 
     its own and returns the copies' numpy arrays for the keys of ``specs`` with bytes (the
     pool write's); ``None``, with ``rows`` unchanged, for rows numpy cannot show as they are.
     The engine thread, in save."""
-    owned = {}
-    for name, src in rows.items():
-        src = src.detach() if src.requires_grad else src
-        owned[name] = src.clone() if src.is_contiguous() else src.clone(memory_format=torch.contiguous_format)
+    owned = {name: host_copy(src) for name, src in rows.items()}  # (no grad: `KeyRegistry.classify` detached them)
     arrays = {}
     for spec in specs:
         if spec.row_bytes:
