@@ -345,9 +345,10 @@ def test_bad_config_raises_config_error() -> None:
         CacheConfig(num_blocks=1, block_size=16, staging_capacity_tokens=2**50)
     with pytest.raises(ConfigError, match="claim_timeout_s must be a finite number, got True"):
         CacheConfig(num_blocks=1, block_size=16, claim_timeout_s=True)
-    for threaded in ("no", None, 1):
-        with pytest.raises(ConfigError, match=f"threaded must be a bool, got {threaded!r}"):
-            CacheConfig(num_blocks=1, block_size=16, threaded=threaded)
+    for name in ("threaded", "pin_pool"):
+        for value in ("no", None, 1):
+            with pytest.raises(ConfigError, match=f"{name} must be a bool, got {value!r}"):
+                CacheConfig(num_blocks=1, block_size=16, **{name: value})
 
 
 def test_closed_cache_refuses_calls_and_close_is_idempotent() -> None:

@@ -11,7 +11,7 @@ import torch
 
 from cachekit import slots_of, small_cache
 from omni_pcache import CachePolicy, NewRequest, StepBatch, StepEvents
-from omni_pcache.copy_engine import StepCopy
+from omni_pcache.copy_engine import CopyEngine, StepCopy, empty_host
 
 pytestmark = pytest.mark.cuda
 BS = 4
@@ -66,11 +66,93 @@ def test_cuda_deferred_keys_equal_the_cpu_path() -> None:
     assert stats.device_bytes == 0 and stats.bytes_written["codes"] > 0
 
 
-def test_cuda_pool_and_staging_are_pinned() -> None:
+def test_cuda_staging_is_pinned_and_the_pool_only_with_pin_pool() -> None:
+    # Device→host copies land in the staging pages (pinned: asynchronous); nothing copies
+    # between the pool and a device, so it is pageable unless asked for.
     _, stats, cache = run("cuda")
-    assert all(t.is_pinned() for t in cache._pool._rows.values())
     assert all(t.is_pinned() for t in cache._pages._pages.values())
+    assert not any(t.is_pinned() for t in cache._pool._rows.values())
     assert set(stats.pool_bytes) == {"hidden", "codes"}
+    with small_cache(pin_pool=True) as pinned:
+        pinned.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        sid = pinned.save(torch.ones(4, 8, device="cuda"), {}, StepBatch(["a"], [4], np.arange(4)))
+        assert torch.equal(pinned.materialize(sid, ["a"]).hidden["a"], torch.ones(4, 8))
+        assert all(t.is_pinned() for t in pinned._pool._rows.values())
+
+
+SLEEP_CYCLES = 50_000_000  # ~25 ms of the compute stream: the save's copies wait behind it
+BIG_ROWS, BIG_WIDTH = 16, 1 << 18  # 16 MiB of fp32: its copy takes a while
+
+
+def test_the_fence_keeps_the_next_forward_off_rows_still_being_copied() -> None:
+    expected = torch.randn(BIG_ROWS, BIG_WIDTH)
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2, 3])]))
+        hidden = expected.to("cuda")
+        torch.cuda._sleep(SLEEP_CYCLES)  # the forward still runs when save returns
+        sid = cache.save(hidden, {}, StepBatch(["a"], [BIG_ROWS], slots_of([0, 1, 2, 3], 0, BIG_ROWS, BS)))
+        cache.begin_step(StepEvents())  # the fence
+        hidden.fill_(-1)  # the next forward writes the same buffer: after the save's copy, on the device
+        out = cache.materialize(sid, ["a"])
+    assert torch.equal(out.hidden["a"], expected)
+
+
+def test_a_dropped_output_is_not_reused_before_its_copy_read_it() -> None:
+    expected = torch.randn(BIG_ROWS, BIG_WIDTH)
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2, 3])]))
+        hidden = expected.to("cuda")
+        torch.cuda._sleep(SLEEP_CYCLES)
+        sid = cache.save(hidden, {}, StepBatch(["a"], [BIG_ROWS], slots_of([0, 1, 2, 3], 0, BIG_ROWS, BS)))
+        del hidden  # the caller drops its output: the caching allocator may hand its block on...
+        other = torch.empty((BIG_ROWS, BIG_WIDTH), device="cuda")
+        other.fill_(-1)  # ...only once the side stream has read it (record_stream)
+        out = cache.materialize(sid, ["a"])
+    assert torch.equal(out.hidden["a"], expected)
+
+
+def test_a_copy_that_raises_leaves_no_copy_of_the_step_running_or_pending() -> None:
+    # save releases the page of a step whose copies raised: the copies launched before the
+    # failure must have landed, and the CPU copies handed over must not run at a later fence.
+    engine = CopyEngine()
+    copy = engine.start()
+    big = torch.randn(1 << 22, device="cuda")
+    want = big.cpu()
+    landed = empty_host((1 << 22,), torch.float32).zero_()
+    cpu_src, cpu_dst = torch.randn(1 << 17), torch.zeros(1 << 17)  # 512 KiB: handed to a HostCopy
+    copy.copy(landed, big)
+    copy.copy(cpu_dst, cpu_src)
+    copy.copy(empty_host((3,), torch.float32), torch.ones(5, device="cuda"))  # shapes differ: raises
+    torch.cuda._sleep(SLEEP_CYCLES)  # the first copy waits behind the compute stream
+    with pytest.raises(RuntimeError):
+        copy.finish()
+    assert torch.equal(landed, want), "the launched copy landed before finish raised"
+    assert torch.equal(cpu_dst, cpu_src), "the CPU copy ran: none is left for the next fence"
+
+
+def test_deferred_rows_are_written_chunk_by_chunk_without_a_device_copy_of_the_record() -> None:
+    # A record over three steps' clones: its host copy is made chunk by chunk (a concatenation
+    # on the device would hold a second copy of the record outside the budget).
+    policy = CachePolicy(token_keys={"codes"}, deferred_keys={"codes"})
+    with small_cache(policy=policy) as cache:
+        expected = []
+        for step in range(3):
+            cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2])]) if step == 0 else StepEvents())
+            codes = torch.arange(step * 40, step * 40 + 16).reshape(4, 4)
+            expected.append(codes)
+            batch = StepBatch(["a"], [4], slots_of([0, 1, 2], 4 * step, 4, BS))
+            cache.materialize(cache.save(torch.ones(4, 2, device="cuda"), {"codes": codes.to("cuda")}, batch), ["a"])
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        cache.begin_step(StepEvents(finished=["a"]))  # flushes the record
+        cache.flush()
+        assert torch.cuda.max_memory_allocated() == start, "writing the record allocated device memory"
+        cache.begin_step(StepEvents(new=[NewRequest("b", [0, 1, 2, 3], 12)]))  # hits the 12 rows
+        codes = torch.full((1, 4), -5)
+        batch = StepBatch(["b"], [1], slots_of([0, 1, 2, 3], 12, 1, BS))
+        out = cache.materialize(cache.save(torch.ones(1, 2, device="cuda"), {"codes": codes.to("cuda")}, batch), ["b"])
+    assert torch.equal(out.mm["codes"]["b"], torch.cat([*expected, codes]))
 
 
 def test_one_device_to_host_copy_per_key_per_step(monkeypatch: pytest.MonkeyPatch) -> None:

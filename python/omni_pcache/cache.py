@@ -90,7 +90,7 @@ class PrefixCache:
         self._tasks = WriteTasks()
         self._staging = StagingSlots(config.staging_depth)
         self._keys = KeyRegistry(policy, self._ledger.add_key)
-        self._pool = HostPool(config.num_slots)
+        self._pool = HostPool(config.num_slots, pinned=config.pin_pool)
         self._pages = StagingPages(config.staging_depth, config.staging_capacity_tokens)
         self._preserved = PreservedRows(config.max_preserved_rows, self._cond)
         self._copies = CopyEngine()

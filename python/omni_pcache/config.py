@@ -39,6 +39,12 @@ class CacheConfig:
     CPU-only host that is cheaper than waking the committer thread, which would then contend
     with the engine thread for the GIL. 0 hands every step to the committer. Steps from CUDA
     outputs always go to the committer.
+
+    ``pin_pool``: allocate the host pool (a row per KV slot per key) in pinned memory. Off by
+    default: nothing copies between the pool and a device (device→host copies land in the
+    pinned staging pages, and the committer scatters them into the pool on the CPU), while
+    torch's pinned allocator rounds every allocation up to a power of two (a 9 GiB pool would
+    page-lock 16 GiB) and allocates it on the engine thread at the key's first save.
     """
 
     num_blocks: int
@@ -51,6 +57,7 @@ class CacheConfig:
     max_preserved_rows: int = 65536
     threaded: bool = True
     inline_write_bytes: int = 256 * 1024
+    pin_pool: bool = False
 
     def __post_init__(self) -> None:
         positive = {
@@ -67,8 +74,9 @@ class CacheConfig:
         for name, most in (("staging_depth", MAX_STAGING_DEPTH), ("staging_capacity_tokens", MAX_STAGING_TOKENS)):
             if getattr(self, name) > most:
                 raise ConfigError(f"CacheConfig.{name} must be at most {most:,}, got {getattr(self, name)!r}")
-        if not isinstance(self.threaded, bool):
-            raise ConfigError(f"CacheConfig.threaded must be a bool, got {self.threaded!r}")
+        for name in ("threaded", "pin_pool"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"CacheConfig.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("device_budget_bytes", "max_preserved_rows", "inline_write_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

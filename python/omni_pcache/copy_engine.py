@@ -19,10 +19,13 @@ Engine thread: `CopyEngine.start` / `StepCopy.copy` / `StepCopy.finish` at save,
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
 
 import torch
+
+from omni_pcache.errors import InvalidInputError
 
 INLINE_COPY_BYTES = 256 * 1024
 """CPU sources smaller than this are copied inside save; larger ones by the committer."""
@@ -36,6 +39,13 @@ def pinned_available() -> bool:
 def empty_host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A host tensor, pinned when CUDA is available (so device→host copies are asynchronous)."""
     return torch.empty(shape, dtype=dtype, pin_memory=pinned_available())
+
+
+def host_waited_event(enable_timing: bool = False) -> torch.cuda.Event:
+    """An event a host thread waits with ``synchronize``: a blocking one, so the waiting thread
+    (the committer, a materializing thread) sleeps instead of spinning a core the engine thread
+    may need. Device-side waits (``wait_event``) are the same either way."""
+    return torch.cuda.Event(enable_timing=enable_timing, blocking=True)
 
 
 def host_copy(rows: torch.Tensor) -> torch.Tensor:
@@ -109,7 +119,7 @@ class StepCopy:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)``: for a CUDA source, at `finish` on the side stream; else a deferred
-        host copy (or now, when it is small). Raises `ValueError` for a second CUDA device."""
+        host copy (or now, when it is small). Raises `InvalidInputError` for a second CUDA device."""
         if not src.is_cuda:
             if src.numel() * src.element_size() < INLINE_COPY_BYTES:
                 dst.copy_(src)
@@ -119,7 +129,7 @@ class StepCopy:
         if self._device is None:
             self._device = src.device
         elif src.device != self._device:
-            raise ValueError(f"one step's tensors must share one CUDA device ({self._device} vs {src.device})")
+            raise InvalidInputError(f"one step's tensors must share one CUDA device ({self._device} vs {src.device})")
         self._cuda.append((dst, src))
 
     def snapshot(self, src: torch.Tensor) -> torch.Tensor:
@@ -148,17 +158,28 @@ class StepCopy:
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(device))
         stream.wait_event(ready)
-        started = None
-        with torch.cuda.stream(stream):
-            if self.engine.timing:  # right before the copies, as a raw copy would be timed
-                started = torch.cuda.Event(enable_timing=True)
-                started.record(stream)
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
-                # The caching allocator must not hand src's memory to the compute stream before
-                # the side stream has read it (recorded per copy: a later copy may raise).
-                src.record_stream(stream)
-        done = torch.cuda.Event(enable_timing=started is not None)
+        timing = self.engine.timing
+        started = torch.cuda.Event(enable_timing=True) if timing else None
+        done = host_waited_event(timing)
+        try:
+            with torch.cuda.stream(stream):
+                if started is not None:  # right before the copies, as a raw copy would be timed
+                    started.record(stream)
+                for dst, src in pairs:
+                    dst.copy_(src, non_blocking=True)
+                    # The caching allocator must not hand src's memory to the compute stream before
+                    # the side stream has read it (recorded per copy: a later copy may raise).
+                    src.record_stream(stream)
+        except BaseException:
+            # The caller releases the page these copies write into and raises: the copies already
+            # launched must land first, and the CPU copies handed over must not run at the next
+            # fence, into a page a later step may hold by then.
+            done.record(stream)
+            with contextlib.suppress(Exception):
+                done.synchronize()
+                if host is not None:
+                    host.run()
+            raise
         done.record(stream)
         self.engine.remember(device, done)
         if started is not None:

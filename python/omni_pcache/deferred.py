@@ -12,10 +12,14 @@ from the clone.
 
 Threads: records are opened, extended and flushed on the engine thread; the committer writes
 them and releases their clones; readers read clones (immutable once made) from any thread.
+Host reads of a CUDA clone wait its ``ready`` event, then copy on the device's clone-read
+stream (`reading`), not the compute stream: they neither queue behind the forward in flight
+nor hold up the next one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,9 +27,26 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from omni_pcache.copy_engine import empty_host
+from omni_pcache.copy_engine import empty_host, host_waited_event
 from omni_pcache.errors import CacheClosedError, InvalidInputError, StagingTimeoutError
 from omni_pcache.keys import KeySpec
+
+_read_streams: dict[torch.device, torch.cuda.Stream] = {}
+_read_streams_lock = threading.Lock()
+
+
+def reading(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
+    """The context a host read of a clone runs in (any thread): for a CUDA clone, its device's
+    clone-read stream (one per device and process, made on first use), so the copy waits only
+    for itself; for a CPU clone, nothing. The copies made in it are synchronous (the host
+    reads their result at once), so the clone needs no ``record_stream``."""
+    if not tensor.is_cuda:
+        return contextlib.nullcontext()
+    with _read_streams_lock:
+        stream = _read_streams.get(tensor.device)
+        if stream is None:
+            stream = _read_streams[tensor.device] = torch.cuda.Stream(device=tensor.device)
+    return torch.cuda.stream(stream)
 
 
 class DeviceBudget:
@@ -87,7 +108,7 @@ class Clone:
         tensor = rows.detach().clone()
         ready = None
         if tensor.is_cuda:
-            ready = torch.cuda.Event()
+            ready = host_waited_event()
             ready.record(torch.cuda.current_stream(tensor.device))
         return cls(tensor, holders, budget, ready=ready)
 
@@ -135,28 +156,55 @@ class DeferredRecord:
         self.slots.append(slots)
         self.num_rows += count
 
-    def _device_rows(self, spec: KeySpec) -> torch.Tensor:
-        return torch.cat([clone.rows(start, start + count) for clone, start, count in self.chunks[spec.name]])
-
     def prepare(self) -> None:
-        """Copies every key's rows to the host in ``copy_chunk_bytes`` pieces (committer)."""
+        """Copies every key's rows to the host (committer): chunk by chunk, each in
+        ``copy_chunk_bytes`` pieces, straight from the clones (no device-side concatenation:
+        that would hold a second device copy of the record, outside the budget)."""
         for spec in self.keys:
-            rows = self._device_rows(spec)
-            if not rows.is_cuda:
-                self.host[spec.name] = rows
+            chunks = self.chunks.get(spec.name, [])
+            if not chunks:
+                self.host[spec.name] = torch.empty((0, *spec.row_shape), dtype=spec.dtype)
                 continue
-            host = empty_host(tuple(rows.shape), rows.dtype)
+            first = chunks[0][0].tensor
+            if not first.is_cuda:
+                self.host[spec.name] = torch.cat([clone.rows(start, start + count) for clone, start, count in chunks])
+                continue
+            host = empty_host((self.num_rows, *first.shape[1:]), first.dtype)
             per_piece = max(1, self.copy_chunk_bytes // max(spec.row_bytes, 1))
-            for first in range(0, rows.shape[0], per_piece):
-                host[first : first + per_piece].copy_(rows[first : first + per_piece])
+            at = 0
+            with reading(first):
+                for clone, start, count in chunks:
+                    rows = clone.rows(start, start + count)
+                    for offset in range(0, count, per_piece):
+                        piece = min(per_piece, count - offset)
+                        host[at + offset : at + offset + piece].copy_(rows[offset : offset + piece])
+                    at += count
             self.host[spec.name] = host
 
     def rows(self, spec: KeySpec, positions: torch.Tensor) -> torch.Tensor:
-        """Rows at ``positions`` (in the record's row order), on the host (any thread)."""
+        """Rows at ``positions`` (an int64 CPU tensor, in the record's row order), as a new host
+        tensor (any thread): from the host copy once `prepare` made it, else gathered from each
+        chunk's clone (only the rows asked for leave the device)."""
+        chunks = self.chunks.get(spec.name, [])  # (read before `host`: `release` drops the chunks once host is filled)
         source = self.host.get(spec.name)
-        if source is None:
-            source = self._device_rows(spec)
-        return source.index_select(0, positions.to(source.device)).cpu()
+        if source is not None:
+            return source.index_select(0, positions)
+        wanted = positions.numpy()
+        out: torch.Tensor | None = None
+        at = 0
+        for clone, start, count in chunks:
+            picked = np.flatnonzero((wanted >= at) & (wanted < at + count))
+            if picked.size:
+                rows = clone.rows(start, start + count)
+                if out is None:
+                    out = torch.empty((wanted.size, *rows.shape[1:]), dtype=rows.dtype)
+                index = torch.from_numpy(wanted[picked] - at)
+                with reading(rows):
+                    out[torch.from_numpy(picked)] = rows.index_select(0, index.to(rows.device)).cpu()
+            at += count
+        if out is None:  # (no positions asked for)
+            return torch.empty((0, *spec.row_shape), dtype=spec.dtype)
+        return out
 
     def position_of(self, slots: list[int]) -> torch.Tensor:
         """Positions of ``slots`` (the newest, if a slot was claimed twice)."""
@@ -180,13 +228,18 @@ class DeferredRecord:
 
     def release(self) -> None:
         """Drops the record's holds on its clones (after its write, or on failure); idempotent.
-        The views themselves stay readable for a reader that already holds this record."""
+        Once `prepare` has copied every key to the host, the record also drops its references to
+        the clones, so their device memory goes when the budget says it has (a clone lives on
+        only while its step's own record is unmaterialized); otherwise (a failure before the
+        copy) the views stay readable for a reader that already holds this record."""
         if self.released:
             return
         self.released = True
         for spec in self.keys:
             for clone, _, _ in self.chunks.get(spec.name, []):
                 clone.release()
+        if all(spec.name in self.host for spec in self.keys):
+            self.chunks = {}  # (a new dict: a reader that took the old one still reads it whole)
 
 
 class DeferredWrites:

@@ -27,7 +27,7 @@ import torch
 
 from omni_pcache.config import HIDDEN
 from omni_pcache.copy_engine import CopyEngine, CopyHandle, host_copy
-from omni_pcache.deferred import Clone
+from omni_pcache.deferred import Clone, reading
 from omni_pcache.events import StepOutputs
 from omni_pcache.reads import HitRead, HitReader
 from omni_pcache.snapshot import is_per_row
@@ -96,7 +96,14 @@ class OutputBuilder:
         self._timeout_s = timeout_s
 
     def build(self, record: StepRecord, req_ids: Sequence[str]) -> StepOutputs:
-        """Per-request outputs of the step; raises what `HitReader.serve` raises."""
+        """Per-request outputs of the step; raises what `HitReader.serve` raises. A step with
+        deferred keys on a CUDA device copies their rows on the clone-read stream (`reading`)."""
+        if not record.clones:
+            return self._build(record, req_ids)
+        with reading(next(iter(record.clones.values())).tensor):
+            return self._build(record, req_ids)
+
+    def _build(self, record: StepRecord, req_ids: Sequence[str]) -> StepOutputs:
         in_place = self._sources_in_place(record)
         if not record.clones:  # (every key's rows as they are: no view to make)
             sources = record.sources if in_place else record.staged

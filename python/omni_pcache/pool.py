@@ -1,7 +1,7 @@
 """The host pool: one tensor per cached key with a row for every engine KV slot.
 
 Storage for a key is allocated on its first sight (``num_slots`` rows of the key's row
-shape, pinned when CUDA is available) and its size is logged once. Rows are addressed by the
+shape; pageable unless ``pinned``, see `CacheConfig.pin_pool`) and its size is logged once. Rows are addressed by the
 engine's slot ids. Single writer: whichever thread holds the committer's write lock writes
 (`write`); any thread reads (`read`) rows whose version the ledger vouches for.
 """
@@ -30,8 +30,9 @@ def row_bytes_view(tensor: torch.Tensor) -> np.ndarray:
 class HostPool:
     """Per-key row storage, ``num_slots`` rows each."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, pinned: bool = False) -> None:
         self._num_slots = num_slots
+        self._pinned = pinned
         self._rows: dict[str, torch.Tensor] = {}
         self._bytes: dict[str, np.ndarray] = {}  # each key's storage as (num_slots, row_bytes) uint8 (writer only)
         self._lock = threading.Lock()
@@ -40,7 +41,8 @@ class HostPool:
         """Allocates the key's storage if this is its first sight (engine thread)."""
         if spec.name in self._rows:
             return
-        storage = empty_host((self._num_slots, *spec.row_shape), spec.dtype)
+        shape = (self._num_slots, *spec.row_shape)
+        storage = empty_host(shape, spec.dtype) if self._pinned else torch.empty(shape, dtype=spec.dtype)
         with self._lock:
             self._rows.setdefault(spec.name, storage)
         logger.info(
