@@ -176,4 +176,14 @@ mod tests {
             "block id 4 at position 1 is out of range [0, 4)"
         );
     }
+
+    #[test]
+    fn only_the_blocks_a_span_touches_are_checked_and_block_zero_is_a_block() {
+        // A span starting in the third block ignores a bad id in the first two.
+        assert_eq!(
+            slots_of(&[-1, -1, 0, 3], 8, 14, 4).unwrap(),
+            vec![0, 1, 2, 3, 12, 13]
+        );
+        assert_eq!(slots_of(&[0], 1, 3, 4).unwrap(), vec![1, 2]);
+    }
 }

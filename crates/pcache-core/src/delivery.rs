@@ -211,4 +211,32 @@ mod tests {
         assert!(!d.is_live("a"));
         assert!(!d.finish("a") && d.is_empty());
     }
+
+    #[test]
+    fn a_request_resumed_exactly_at_its_delivered_span_reads_nothing() {
+        let mut d = Deliveries::new(4).unwrap();
+        assert!(!d.schedule("a", &[0, 1], 0).unwrap(), "nothing computed");
+        d.take_step([("a", 0, 6)]); // delivered [0, 6)
+        assert!(!d.schedule("a", &[3, 4], 6).unwrap(), "6 of 6 delivered");
+        let (rows, reads) = d.take_step([("a", 0, 1)]);
+        assert!(reads.is_empty(), "{reads:?}");
+        assert_eq!(rows[0].drop, 0);
+    }
+
+    #[test]
+    fn a_finished_request_is_forgotten_and_comes_back_fresh() {
+        let mut d = Deliveries::new(4).unwrap();
+        assert_eq!(d.block_size(), 4);
+        d.schedule("a", &[0, 1], 0).unwrap();
+        d.take_step([("a", 0, 6), ("b", 6, 1)]); // a: delivered [0, 6)
+        assert_eq!((d.len(), d.is_empty()), (2, false));
+        assert!(d.finish("a"));
+        assert!(!d.is_live("a") && d.len() == 1);
+        assert!(!d.finish("a"), "already forgotten");
+        // The same id again is a new request: its whole computed span comes from the pool.
+        assert!(d.schedule("a", &[5, 6], 6).unwrap());
+        let (rows, reads) = d.take_step([("a", 0, 2)]);
+        assert_eq!(reads, vec![(0, vec![20, 21, 22, 23, 24, 25])]);
+        assert_eq!(rows[0].drop, 0);
+    }
 }

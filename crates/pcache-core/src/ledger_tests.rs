@@ -402,3 +402,239 @@ fn int32_slots_work_like_int64() {
     l.claim(&[3i32, 4], k, T1).unwrap();
     assert_eq!(l.owned(T1, k).unwrap().1, vec![3, 4]);
 }
+
+#[test]
+fn unsigned_slots_work_like_int64() {
+    let (mut l, k) = ledger_with_key();
+    l.claim(&[3u32, 4], k, T1).unwrap();
+    assert_eq!(l.owned(T1, k).unwrap().1, vec![3, 4]);
+    assert_eq!(
+        l.claim(&[5u32, 64], k, T2).unwrap_err(),
+        Error::SlotOutOfRange {
+            slot: 64,
+            position: 1,
+            num_slots: 64
+        }
+    );
+}
+
+#[test]
+fn peek_and_readers_refuse_out_of_range_slots() {
+    let (mut l, k) = ledger_with_key();
+    assert_eq!(l.num_slots(), 64);
+    assert_eq!(
+        l.peek(&[1i64, 64], k).unwrap_err(),
+        Error::SlotOutOfRange {
+            slot: 64,
+            position: 1,
+            num_slots: 64
+        }
+    );
+    assert_eq!(
+        l.readers(&[-1i64], k).unwrap_err(),
+        Error::SlotOutOfRange {
+            slot: -1,
+            position: 0,
+            num_slots: 64
+        }
+    );
+    l.claim(&[63i64], k, T1).unwrap();
+    assert_eq!(
+        l.peek(&[0i64, 63], k).unwrap(),
+        (vec![SOURCE_ABSENT, 1], vec![0, 1])
+    );
+}
+
+/// Sources and versions of `slots` as `peek` gives them slot by slot: the reference for a
+/// read planned over long runs.
+fn peek_each(l: &Ledger, slots: &[i64], k: KeyId) -> (Vec<i64>, Vec<u64>) {
+    let (mut sources, mut versions) = (Vec::new(), Vec::new());
+    for &s in slots {
+        let (src, ver) = l.peek(&[s], k).unwrap();
+        sources.extend(src);
+        versions.extend(ver);
+    }
+    (sources, versions)
+}
+
+#[test]
+fn a_long_run_read_starting_at_an_absent_slot_reports_each_slots_owner_and_version() {
+    let (mut l, k) = ledger_with_key();
+    // One run 0..24: absent (never written, version 0), committed, in transit, absent.
+    l.claim(&range(4..16), k, T1).unwrap();
+    l.commit(T1).unwrap();
+    l.claim(&range(16..20), k, T2).unwrap();
+    let slots = range(0..24);
+    let plan = l.plan_read(&slots, k).unwrap();
+    let mut sources = vec![SOURCE_ABSENT; 24];
+    sources[4..16].fill(SOURCE_POOL);
+    sources[16..20].fill(2);
+    let mut versions = vec![0u64; 24];
+    versions[4..20].fill(1);
+    assert_eq!(
+        (plan.sources.clone(), plan.versions.clone()),
+        (sources, versions)
+    );
+    assert_eq!(
+        peek_each(&l, &slots, k),
+        (plan.sources.clone(), plan.versions.clone())
+    );
+    assert_eq!((plan.num_absent(), plan.num_from_pool()), (8, 12));
+    // Nothing moved yet; every slot has one reader at its version.
+    assert_eq!(l.validate(plan.read).unwrap(), Vec::<i64>::new());
+    assert_eq!(l.readers(&slots, k).unwrap(), vec![1; 24]);
+    // The captured committed rows must be kept aside when claimed over.
+    let out = l.claim(&range(8..12), k, TaskId(3)).unwrap();
+    assert_eq!(out.preserve_slots, range(8..12));
+    assert_eq!(out.preserve_versions, vec![1; 4]);
+    // The in-transit rows vanish when their writer fails.
+    assert_eq!(l.abandon(T2).unwrap(), 4);
+    assert_eq!(
+        l.validate(plan.read).unwrap(),
+        range(8..12).into_iter().chain(16..20).collect::<Vec<_>>()
+    );
+    l.release(plan.read).unwrap();
+    assert_eq!(l.readers(&slots, k).unwrap(), vec![0; 24]);
+}
+
+#[test]
+fn long_runs_of_absent_slots_before_and_after_other_rows_are_captured_absent() {
+    let (mut l, k) = ledger_with_key();
+    l.claim(&range(4..16), k, T1).unwrap();
+    l.commit(T1).unwrap();
+    // Three long runs: 10 slots never written, 12 committed rows, 4 more never written.
+    let slots: Vec<i64> = (30..40).chain(4..16).chain(40..44).collect();
+    let plan = l.plan_read(&slots, k).unwrap();
+    let mut sources = vec![SOURCE_ABSENT; 10];
+    sources.extend([SOURCE_POOL; 12]);
+    sources.extend([SOURCE_ABSENT; 4]);
+    assert_eq!(plan.sources, sources);
+    assert_eq!(plan.num_absent(), 14);
+    // A slot that had no row when planned has not "vanished": nothing moved.
+    assert_eq!(l.validate(plan.read).unwrap(), Vec::<i64>::new());
+    // Invalidating some committed rows moves exactly those positions.
+    l.invalidate(&range(4..8), k).unwrap();
+    assert_eq!(l.validate(plan.read).unwrap(), range(10..14));
+    l.release(plan.read).unwrap();
+}
+
+#[test]
+fn claiming_a_long_run_steals_every_slot_of_an_older_task_even_past_the_first() {
+    let (mut l, k) = ledger_with_key();
+    // Slots 0 and 1 absent, 2 and 3 in transit under T1, 4..8 committed; then one run 0..8.
+    l.claim(&[2i64, 3], k, T1).unwrap();
+    l.claim(&range(4..8), k, TaskId(3)).unwrap();
+    l.commit(TaskId(3)).unwrap();
+    let out = l.claim(&range(0..8), k, T2).unwrap();
+    assert_eq!(
+        (out.stolen_slots, out.stolen_from),
+        (vec![2, 3], vec![1, 1])
+    );
+    assert_eq!(l.owned(T1, k).unwrap(), (vec![], vec![]));
+    assert_eq!(l.commit(T1).unwrap(), 0);
+    assert_eq!(l.commit(T2).unwrap(), 8);
+    let (sources, versions) = l.peek(&range(0..8), k).unwrap();
+    assert_eq!(sources, vec![SOURCE_POOL; 8]);
+    assert_eq!(versions, vec![1, 1, 2, 2, 2, 2, 2, 2]);
+}
+
+#[test]
+fn a_chunk_of_slots_is_taken_whole_only_when_every_slot_is_consecutive_and_in_range() {
+    let (mut l, k) = ledger_with_key();
+    // Eight slots with the first and last eight apart but not in order: kept in list order.
+    let swapped = [0i64, 1, 2, 3, 5, 4, 6, 7];
+    l.claim(&swapped, k, T1).unwrap();
+    assert_eq!(l.owned(T1, k).unwrap(), (range(0..8), swapped.to_vec()));
+    let bad_inside = [8i64, 9, 10, 11, 100, 13, 14, 15];
+    // (after a run, so the list is taken for blocks)
+    let repeat_inside: Vec<i64> = (16..24).chain([8, 9, 9, 9, 9, 9, 9, 15]).collect();
+    let past_the_end = range(60..68);
+    let negative = range(-8..0);
+    let mut small = Ledger::new(8).unwrap();
+    let small_key = small.add_key();
+    for (result, want) in [
+        (
+            l.claim(&bad_inside, k, T2),
+            Error::SlotOutOfRange {
+                slot: 100,
+                position: 4,
+                num_slots: 64,
+            },
+        ),
+        (
+            l.claim(&repeat_inside, k, T2),
+            Error::DuplicateSlot {
+                slot: 9,
+                first: 9,
+                second: 10,
+            },
+        ),
+        (
+            l.claim(&past_the_end, k, T2),
+            Error::SlotOutOfRange {
+                slot: 64,
+                position: 4,
+                num_slots: 64,
+            },
+        ),
+        (
+            l.claim(&negative, k, T2),
+            Error::SlotOutOfRange {
+                slot: -8,
+                position: 0,
+                num_slots: 64,
+            },
+        ),
+        (
+            small.claim(&range(1..9), small_key, T2),
+            Error::SlotOutOfRange {
+                slot: 8,
+                position: 7,
+                num_slots: 8,
+            },
+        ),
+    ] {
+        assert_eq!(result.unwrap_err(), want);
+    }
+    assert_eq!(l.num_tasks(), 1, "the refused claims took nothing");
+}
+
+#[test]
+fn scattered_lists_with_several_bad_ids_report_the_first() {
+    let (mut l, k) = ledger_with_key();
+    for (slots, slot, position) in [
+        (vec![-1i64, -2], -1, 0),
+        (vec![7i64, 100, 3, -1], 100, 1),
+        (vec![5i64, i64::MIN], i64::MIN, 1),
+    ] {
+        assert_eq!(
+            l.claim(&slots, k, T1).unwrap_err(),
+            Error::SlotOutOfRange {
+                slot,
+                position,
+                num_slots: 64
+            }
+        );
+    }
+    assert_eq!(l.num_tasks(), 0);
+}
+
+#[test]
+fn a_slot_repeated_inside_a_later_run_is_reported_where_it_repeats() {
+    let (mut l, k) = ledger_with_key();
+    // Runs [5] and [0..8]: slot 5 comes back at position 6, not at the run's start.
+    let slots: Vec<i64> = std::iter::once(5).chain(0..8).collect();
+    assert_eq!(
+        l.claim(&slots, k, T1).unwrap_err(),
+        Error::DuplicateSlot {
+            slot: 5,
+            first: 0,
+            second: 6
+        }
+    );
+    assert_eq!(l.num_tasks(), 0);
+    assert_eq!(
+        l.claim(&range(0..8), k, T1).unwrap(),
+        ClaimOutcome::default()
+    );
+}

@@ -248,4 +248,13 @@ mod tests {
         ));
         assert_eq!(pool, vec![0u8; 8]);
     }
+
+    #[test]
+    fn a_slot_repeated_back_to_back_is_one_row_not_a_run() {
+        let mut pool = vec![0u8; 4];
+        scatter_rows(&mut pool, &[1, 2, 3], 1, &[1, 1, 2]).unwrap();
+        assert_eq!(pool, vec![0, 2, 3, 0]);
+        let rows: Vec<u8> = (10..14).collect();
+        assert_eq!(gather_rows(&rows, 1, &[2, 2, 0]).unwrap(), vec![12, 12, 10]);
+    }
 }

@@ -260,4 +260,58 @@ mod tests {
             Err(Error::InvalidConfig { .. })
         ));
     }
+
+    #[test]
+    fn ring_order_resumes_after_the_last_claimed_slot() {
+        let st = StagingSlots::new(3).unwrap();
+        assert_eq!((st.num_slots(), st.num_free()), (3, 3));
+        assert_eq!(st.claim(S0, Duration::ZERO).unwrap(), 0);
+        assert!(st.release(0, S0).unwrap());
+        // Slot 0 is free again, but the ring moves on.
+        let order: Vec<usize> = (1..4)
+            .map(|i| st.claim(Holder::Step(StepId(i)), Duration::ZERO).unwrap())
+            .collect();
+        assert_eq!(order, vec![1, 2, 0]);
+        assert_eq!(st.num_free(), 0);
+        assert!(!st.is_closed());
+        st.close();
+        assert!(st.is_closed());
+        assert_eq!(
+            st.claim(T9, Duration::ZERO).unwrap_err(),
+            Error::StagingClosed
+        );
+    }
+
+    #[test]
+    fn the_slot_past_the_last_is_out_of_range() {
+        let st = StagingSlots::new(2).unwrap();
+        assert_eq!(
+            st.hold(2, T9).unwrap_err(),
+            Error::StagingSlotOutOfRange {
+                slot: 2,
+                num_slots: 2
+            }
+        );
+        assert!(matches!(
+            st.release(2, T9),
+            Err(Error::StagingSlotOutOfRange { slot: 2, .. })
+        ));
+    }
+
+    #[test]
+    fn a_slot_freed_as_the_wait_times_out_is_still_taken() {
+        let st = Arc::new(StagingSlots::new(1).unwrap());
+        st.claim(S0, Duration::ZERO).unwrap();
+        let st2 = st.clone();
+        let h = std::thread::spawn(move || st2.claim(S1, Duration::from_millis(50)));
+        std::thread::sleep(Duration::from_millis(10));
+        {
+            // Free the slot without a wake-up and keep the lock past the waiter's deadline:
+            // its wait ends timed out, with the slot free.
+            let mut g = st.inner.lock();
+            g.holders[0].clear();
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        assert_eq!(h.join().unwrap().unwrap(), 0);
+    }
 }

@@ -147,4 +147,15 @@ mod tests {
         assert_eq!(oks, 1000);
         assert!(ids.outstanding().is_empty());
     }
+
+    #[test]
+    fn outstanding_ids_are_listed_until_consumed() {
+        let ids = StepIds::new();
+        let (a, b, c) = (ids.issue(), ids.issue(), ids.issue());
+        ids.consume(b).unwrap();
+        assert_eq!(ids.outstanding(), vec![a, c]);
+        assert_eq!(ids.num_outstanding(), 2);
+        assert!(ids.is_outstanding(a) && !ids.is_outstanding(b));
+        assert!(!ids.is_outstanding(StepId(3)), "never issued");
+    }
 }

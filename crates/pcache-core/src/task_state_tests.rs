@@ -172,3 +172,12 @@ fn racing_copiers_exactly_one_wins() {
         assert_eq!(wins, 1);
     }
 }
+
+#[test]
+fn names_parse_back_to_their_states() {
+    for s in TaskState::ALL {
+        assert_eq!(TaskState::from_name(s.name()), Some(s));
+    }
+    assert_eq!(TaskState::from_name("pending"), None);
+    assert_eq!(TaskState::from_name(""), None);
+}

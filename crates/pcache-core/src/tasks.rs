@@ -133,4 +133,24 @@ mod tests {
         assert!(t.is_empty());
         assert!(matches!(t.remove(a.id()), Err(Error::UnknownTask { .. })));
     }
+
+    #[test]
+    fn states_lists_every_live_task_by_id() {
+        let t = TaskTable::new();
+        assert_eq!(t.states(), vec![]);
+        let (a, b, c) = (t.create(), t.create(), t.create());
+        assert!(!t.is_empty());
+        c.state().enqueue().unwrap();
+        a.state().fail().unwrap();
+        assert_eq!(
+            t.states(),
+            vec![
+                (a.id(), TaskState::Failed),
+                (b.id(), TaskState::Pending),
+                (c.id(), TaskState::Queued)
+            ]
+        );
+        t.remove(a.id()).unwrap();
+        assert_eq!(t.states().len(), 2);
+    }
 }
