@@ -233,19 +233,11 @@ fn bad_input_is_refused_and_changes_nothing() {
     let before = l.peek(&[1i64, 2, 63], k).unwrap();
     assert_eq!(
         l.claim(&[1i64, -3], k, T1).unwrap_err(),
-        Error::SlotOutOfRange {
-            slot: -3,
-            position: 1,
-            num_slots: 64
-        }
+        out_of_range(-3, 1, 64)
     );
     assert_eq!(
         l.claim(&[1i64, 64], k, T1).unwrap_err(),
-        Error::SlotOutOfRange {
-            slot: 64,
-            position: 1,
-            num_slots: 64
-        }
+        out_of_range(64, 1, 64)
     );
     assert_eq!(
         l.claim(&[1i64, 2, 1], k, T1).unwrap_err(),
@@ -291,11 +283,7 @@ fn runs_across_bitmap_words_are_checked_and_claimed_slot_by_slot() {
     // An out-of-range id anywhere wins over an earlier duplicate.
     assert_eq!(
         l.claim(&[3i64, 4, 3, 200], k, T2).unwrap_err(),
-        Error::SlotOutOfRange {
-            slot: 200,
-            position: 3,
-            num_slots: 200
-        }
+        out_of_range(200, 3, 200)
     );
     // The refused claims left nothing behind.
     let ok: Vec<i64> = (0..10).chain(150..170).collect();
@@ -403,6 +391,15 @@ fn int32_slots_work_like_int64() {
     assert_eq!(l.owned(T1, k).unwrap().1, vec![3, 4]);
 }
 
+/// The error for `slot` at `position` of a list, in a ledger of `num_slots` slots.
+fn out_of_range(slot: i64, position: usize, num_slots: u32) -> Error {
+    Error::SlotOutOfRange {
+        slot,
+        position,
+        num_slots,
+    }
+}
+
 #[test]
 fn unsigned_slots_work_like_int64() {
     let (mut l, k) = ledger_with_key();
@@ -410,11 +407,7 @@ fn unsigned_slots_work_like_int64() {
     assert_eq!(l.owned(T1, k).unwrap().1, vec![3, 4]);
     assert_eq!(
         l.claim(&[5u32, 64], k, T2).unwrap_err(),
-        Error::SlotOutOfRange {
-            slot: 64,
-            position: 1,
-            num_slots: 64
-        }
+        out_of_range(64, 1, 64)
     );
 }
 
@@ -422,22 +415,8 @@ fn unsigned_slots_work_like_int64() {
 fn peek_and_readers_refuse_out_of_range_slots() {
     let (mut l, k) = ledger_with_key();
     assert_eq!(l.num_slots(), 64);
-    assert_eq!(
-        l.peek(&[1i64, 64], k).unwrap_err(),
-        Error::SlotOutOfRange {
-            slot: 64,
-            position: 1,
-            num_slots: 64
-        }
-    );
-    assert_eq!(
-        l.readers(&[-1i64], k).unwrap_err(),
-        Error::SlotOutOfRange {
-            slot: -1,
-            position: 0,
-            num_slots: 64
-        }
-    );
+    assert_eq!(l.peek(&[1i64, 64], k).unwrap_err(), out_of_range(64, 1, 64));
+    assert_eq!(l.readers(&[-1i64], k).unwrap_err(), out_of_range(-1, 0, 64));
     l.claim(&[63i64], k, T1).unwrap();
     assert_eq!(
         l.peek(&[0i64, 63], k).unwrap(),
@@ -553,14 +532,7 @@ fn a_chunk_of_slots_is_taken_whole_only_when_every_slot_is_consecutive_and_in_ra
     let mut small = Ledger::new(8).unwrap();
     let small_key = small.add_key();
     for (result, want) in [
-        (
-            l.claim(&bad_inside, k, T2),
-            Error::SlotOutOfRange {
-                slot: 100,
-                position: 4,
-                num_slots: 64,
-            },
-        ),
+        (l.claim(&bad_inside, k, T2), out_of_range(100, 4, 64)),
         (
             l.claim(&repeat_inside, k, T2),
             Error::DuplicateSlot {
@@ -569,29 +541,11 @@ fn a_chunk_of_slots_is_taken_whole_only_when_every_slot_is_consecutive_and_in_ra
                 second: 10,
             },
         ),
-        (
-            l.claim(&past_the_end, k, T2),
-            Error::SlotOutOfRange {
-                slot: 64,
-                position: 4,
-                num_slots: 64,
-            },
-        ),
-        (
-            l.claim(&negative, k, T2),
-            Error::SlotOutOfRange {
-                slot: -8,
-                position: 0,
-                num_slots: 64,
-            },
-        ),
+        (l.claim(&past_the_end, k, T2), out_of_range(64, 4, 64)),
+        (l.claim(&negative, k, T2), out_of_range(-8, 0, 64)),
         (
             small.claim(&range(1..9), small_key, T2),
-            Error::SlotOutOfRange {
-                slot: 8,
-                position: 7,
-                num_slots: 8,
-            },
+            out_of_range(8, 7, 8),
         ),
     ] {
         assert_eq!(result.unwrap_err(), want);
