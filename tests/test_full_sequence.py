@@ -17,8 +17,10 @@ from omni_pcache import (
     InvalidInputError,
     NewRequest,
     ResumedRequest,
+    StagingTimeoutError,
     StepBatch,
     StepEvents,
+    WriteFailedError,
 )
 
 BS = 4
@@ -182,6 +184,58 @@ def test_close_wakes_a_save_waiting_for_device_budget() -> None:
         thread.join(10)
         assert not thread.is_alive(), "close did not wake the save waiting for device budget"
         assert [type(exc) for exc in raised] == [CacheClosedError], raised
+
+
+def test_a_save_that_gets_no_device_budget_in_time_is_refused_and_loses_nothing() -> None:
+    step_bytes = 4 * 2 * 8  # one step of "codes": the whole budget
+    with small_cache(
+        policy=DEFERRED, device_budget_bytes=step_bytes, inline_write_bytes=0, claim_timeout_s=0.2
+    ) as cache:
+        gate = threading.Event()  # the committer cannot write a's rows: b's save finds no room
+        write = cache._writer.write_batch
+        cache._writer.write_batch = lambda records: (gate.wait(10), write(records))
+        cache.discard(save(cache, [("a", [0], 0, 4, 1)], new=[NewRequest("a", [0])]))
+        with pytest.raises(
+            StagingTimeoutError, match=r"save waited 0.2 s for 64 bytes of device budget \(used 64 of 64\)"
+        ):
+            save(cache, [("b", [1], 0, 4, 2)], new=[NewRequest("b", [1])])
+        gate.set()
+        cache.flush()
+        assert cache.stats().device_bytes == 0, "b's refused step charged nothing"
+        again = save(cache, [("b", [1], 0, 4, 2)])  # b's step, saved again, is whole
+        check(cache.materialize(again, ["b"]), "b", (2, 0, 4))
+        hit = save(cache, [("c", [0, 2], 4, 1, 3)], new=[NewRequest("c", [0, 2], 4)])
+        check(cache.materialize(hit, ["c"]), "c", (1, 0, 4), (3, 4, 1))  # a's rows were flushed and written
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [DEFERRED, CachePolicy(cache_hidden=False, token_keys={"codes"}, deferred_keys={"codes"})],
+    ids=["with-hidden", "deferred-only"],
+)
+def test_a_committer_failure_wakes_a_save_waiting_for_device_budget_with_the_failure(policy) -> None:
+    # The failure releases a's clones, so b's save gets room, clones its rows, and only then
+    # finds the cache failed: it raises the failure and holds no device budget, whether its
+    # claims start with an immediate key (hidden) or with the deferred one.
+    step_bytes = 4 * 2 * 8
+    # (a long claim timeout: a save left waiting would wait it out, and be caught)
+    with small_cache(policy=policy, device_budget_bytes=step_bytes, inline_write_bytes=0, claim_timeout_s=60) as cache:
+        gate = threading.Event()
+
+        def failing_write(records) -> None:
+            gate.wait(10)
+            raise RuntimeError("injected: pool write failed")
+
+        cache._writer.write_batch = failing_write
+        cache.discard(save(cache, [("a", [0], 0, 4, 1)], new=[NewRequest("a", [0])]))
+        budget = cache._deferred.budget
+        wait_for_room = budget.wait_for_room
+        budget.wait_for_room = lambda *args: (gate.set(), wait_for_room(*args))[1]  # fails a's write once b waits
+        started = time.monotonic()
+        with pytest.raises(WriteFailedError, match="injected: pool write failed"):
+            save(cache, [("b", [1], 0, 4, 2)], new=[NewRequest("b", [1])])
+        assert time.monotonic() - started < 30, "the failure woke the wait"
+        assert cache.stats().device_bytes == 0, "a failed cache holds no device budget"
 
 
 def test_an_aborted_request_mid_write_still_lands_and_can_be_hit() -> None:

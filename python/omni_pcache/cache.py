@@ -303,6 +303,7 @@ class PrefixCache:
             try:
                 flushed = self._deferred.close_other_keys(shape.claim_req_ids, deferred)
             except TaskStateError:  # a record the committer's failure failed meanwhile
+                self._deferred.discard_clones(clones)
                 self._abandon_save(step_id, page, handle)
                 raise self._closed_error("the cache was closed during save") from None
             if flushed:
@@ -317,7 +318,8 @@ class PrefixCache:
                     step_id, page, shape, immediate, deferred, handle, clones, not now, keys.omitted
                 )
             except CacheClosedError:  # (claims fail only when the cache failed or closed meanwhile)
-                self._abandon_save(step_id, page, handle)  # (a refused claim holds nothing: nor does the step)
+                self._deferred.discard_clones(clones)  # (a refused claim holds nothing: nor does the step)
+                self._abandon_save(step_id, page, handle)
                 raise self._closed_error("the cache was closed during save") from None
             self._claims.keep_aside(from_pool, from_deferred)  # (before this step's rows overwrite them)
             if now and task_ids:

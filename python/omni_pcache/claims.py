@@ -22,6 +22,7 @@ import torch
 from omni_pcache._native import Ledger, StagingSlots, WriteTasks, claim_step
 from omni_pcache.copy_engine import CopyHandle
 from omni_pcache.deferred import Clone, DeferredRecord, DeferredWrites
+from omni_pcache.errors import CacheClosedError
 from omni_pcache.keys import KeySpec
 from omni_pcache.pages import StagingPages
 from omni_pcache.pool import HostPool
@@ -121,6 +122,8 @@ class StepClaims:
                     if out is not None and out.preserve_slots.size:
                         self._register_obligations(spec, out, step_id, from_pool, from_deferred)
             if deferred:
+                if self._deferred.failed:  # (checked before any record takes a view of the clones)
+                    raise CacheClosedError("the cache failed during save")
                 owners = []
                 for req_id, start, count in zip(req_ids, starts, counts, strict=True):
                     record = self._deferred.open.get(req_id)

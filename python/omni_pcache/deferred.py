@@ -258,6 +258,7 @@ class DeferredWrites:
         self._failure = failure  # the sticky write failure, if any
         self.budget = DeviceBudget(config.device_budget_bytes)
         self.open: dict[str, DeferredRecord] = {}  # live request -> its open record
+        self.failed = False  # set by `drop_all` (ledger lock): no record is opened or extended after it
 
     def check_fits(self, step_bytes: dict[str, int]) -> None:
         """Refuses (before anything changes) a step whose rows of the deferred keys, which are
@@ -334,9 +335,19 @@ class DeferredWrites:
 
     def drop_all(self) -> None:
         """After a failure (the failing thread, often the committer: the one call here not on
-        the engine thread): forget open records (their clones are released by the cache)."""
+        the engine thread; ledger lock held): forget open records (their clones are released by
+        the cache), and refuse new ones (`failed`: a save racing the failure must not open a
+        record nobody will write or release)."""
+        self.failed = True
         self.open.clear()
         self.budget.wake()
+
+    def discard_clones(self, clones: dict[str, Clone]) -> None:
+        """A save refused after `clone_step`, before any record took a view of its clones:
+        uncharges what `clone_step` charged (engine thread)."""
+        charged = sum(clone.nbytes for clone in clones.values() if clone.holders)
+        if charged:
+            self.budget.uncharge(charged)
 
     def _make_room(self, need: int) -> None:
         """Flushes open records, oldest first, until their writes free enough of the budget,
