@@ -232,7 +232,8 @@ def test_a_committer_failure_wakes_a_save_waiting_for_device_budget_with_the_fai
         wait_for_room = budget.wait_for_room
         budget.wait_for_room = lambda *args: (gate.set(), wait_for_room(*args))[1]  # fails a's write once b waits
         started = time.monotonic()
-        with pytest.raises(WriteFailedError, match="injected: pool write failed"):
+        failed = r"write task#\d+ \(request 'a', step \d+\) failed: RuntimeError\('injected: pool write failed'\)"
+        with pytest.raises(WriteFailedError, match=failed):
             save(cache, [("b", [1], 0, 4, 2)], new=[NewRequest("b", [1])])
         assert time.monotonic() - started < 30, "the failure woke the wait"
         assert cache.stats().device_bytes == 0, "a failed cache holds no device budget"
