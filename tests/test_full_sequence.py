@@ -79,7 +79,8 @@ def test_deferred_rows_are_served_from_the_clone_then_flushed_at_finish() -> Non
 
 def test_the_budget_flushes_the_oldest_deferred_request_first() -> None:
     step_bytes = 4 * 2 * 8  # 4 rows of int64 (2,)
-    with small_cache(policy=DEFERRED, device_budget_bytes=2 * step_bytes) as cache:
+    # (room for two steps and a half: a third step's rows must not fit, half of them would)
+    with small_cache(policy=DEFERRED, device_budget_bytes=2 * step_bytes + step_bytes // 2) as cache:
         cache.discard(save(cache, [("a", [0], 0, 4, 1)], new=[NewRequest("a", [0])]))
         cache.discard(save(cache, [("b", [1], 0, 4, 2)], new=[NewRequest("b", [1])]))
         assert cache.stats().device_bytes == 2 * step_bytes
