@@ -51,7 +51,7 @@ def measure(tokens: int, width: int = 2048) -> dict[str, float]:
             cache.discard(sid)
             cache.flush()
 
-        one_step()  # allocates the pinned pool and pages
+        one_step()  # allocates the pool and the pinned staging pages
         engine_s.clear()
         step = median_time(one_step)
     return {
