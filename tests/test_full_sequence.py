@@ -154,16 +154,24 @@ def test_rows_captured_from_a_deferred_record_still_in_transit_are_kept_from_its
         check(cache.materialize(late, ["c"]), "c", (3, 0, 4), (4, 4, 1))
 
 
+def fill_the_budget(cache, write_batch) -> None:
+    """Saves a's step, whose rows of "codes" fill a budget of one step, with the committer's
+    batch writes replaced by ``write_batch(records, write)`` (``write``: the real one), which
+    holds them back or fails them: a's clone stays charged until it lets a's write through."""
+    write = cache._writer.write_batch
+    cache._writer.write_batch = lambda records: write_batch(records, write)
+    cache.discard(save(cache, [("a", [0], 0, 4, 1)], new=[NewRequest("a", [0])]))
+
+
+def budget_of_one_step(policy=DEFERRED, **overrides):
+    return small_cache(policy=policy, device_budget_bytes=4 * 2 * 8, inline_write_bytes=0, **overrides)
+
+
 def test_close_wakes_a_save_waiting_for_device_budget() -> None:
-    step_bytes = 4 * 2 * 8
     # (a long claim timeout: a save that close failed to wake would wait it out, and be caught)
-    with small_cache(
-        policy=DEFERRED, device_budget_bytes=step_bytes, inline_write_bytes=0, claim_timeout_s=60
-    ) as cache:
+    with budget_of_one_step(claim_timeout_s=60) as cache:
         gate = threading.Event()  # the committer cannot write a's rows: b's save waits for room
-        write = cache._writer.write_batch
-        cache._writer.write_batch = lambda records: (gate.wait(60), write(records))
-        cache.discard(save(cache, [("a", [0], 0, 4, 1)], new=[NewRequest("a", [0])]))
+        fill_the_budget(cache, lambda records, write: (gate.wait(60), write(records)))
         raised: list[BaseException] = []
         waiting = threading.Event()
         budget = cache._deferred.budget
@@ -188,14 +196,9 @@ def test_close_wakes_a_save_waiting_for_device_budget() -> None:
 
 
 def test_a_save_that_gets_no_device_budget_in_time_is_refused_and_loses_nothing() -> None:
-    step_bytes = 4 * 2 * 8  # one step of "codes": the whole budget
-    with small_cache(
-        policy=DEFERRED, device_budget_bytes=step_bytes, inline_write_bytes=0, claim_timeout_s=0.2
-    ) as cache:
+    with budget_of_one_step(claim_timeout_s=0.2) as cache:
         gate = threading.Event()  # the committer cannot write a's rows: b's save finds no room
-        write = cache._writer.write_batch
-        cache._writer.write_batch = lambda records: (gate.wait(10), write(records))
-        cache.discard(save(cache, [("a", [0], 0, 4, 1)], new=[NewRequest("a", [0])]))
+        fill_the_budget(cache, lambda records, write: (gate.wait(10), write(records)))
         with pytest.raises(
             StagingTimeoutError, match=r"save waited 0.2 s for 64 bytes of device budget \(used 64 of 64\)"
         ):
@@ -218,17 +221,15 @@ def test_a_committer_failure_wakes_a_save_waiting_for_device_budget_with_the_fai
     # The failure releases a's clones, so b's save gets room, clones its rows, and only then
     # finds the cache failed: it raises the failure and holds no device budget, whether its
     # claims start with an immediate key (hidden) or with the deferred one.
-    step_bytes = 4 * 2 * 8
     # (a long claim timeout: a save left waiting would wait it out, and be caught)
-    with small_cache(policy=policy, device_budget_bytes=step_bytes, inline_write_bytes=0, claim_timeout_s=60) as cache:
+    with budget_of_one_step(policy, claim_timeout_s=60) as cache:
         gate = threading.Event()
 
-        def failing_write(records) -> None:
+        def failing_write(records, write) -> None:
             gate.wait(10)
             raise RuntimeError("injected: pool write failed")
 
-        cache._writer.write_batch = failing_write
-        cache.discard(save(cache, [("a", [0], 0, 4, 1)], new=[NewRequest("a", [0])]))
+        fill_the_budget(cache, failing_write)
         budget = cache._deferred.budget
         wait_for_room = budget.wait_for_room
         budget.wait_for_room = lambda *args: (gate.set(), wait_for_room(*args))[1]  # fails a's write once b waits
