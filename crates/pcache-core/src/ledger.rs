@@ -579,3 +579,7 @@ impl Ledger {
 #[cfg(all(test, not(loom)))]
 #[path = "ledger_tests.rs"]
 mod tests;
+
+#[cfg(all(test, not(loom)))]
+#[path = "ledger_run_tests.rs"]
+mod run_tests;
