@@ -177,7 +177,8 @@ class StepCopy:
             done.record(stream)
             with contextlib.suppress(Exception):
                 done.synchronize()
-                if host is not None:
+            if host is not None:
+                with contextlib.suppress(Exception):
                     host.run()
             raise
         done.record(stream)
