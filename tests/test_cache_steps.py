@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 
-from cachekit import small_cache
+from cachekit import small_cache, start_thread
 from omni_pcache import (
     CacheClosedError,
     CacheConfig,
+    CachePolicy,
     ConfigError,
     InvalidInputError,
     NewRequest,
@@ -266,6 +268,7 @@ def test_bad_events_raise_and_change_nothing(events, message) -> None:
         (StepEvents(finished=None), "StepEvents.finished must be a sequence, got NoneType"),
         (StepEvents(new=None), "StepEvents.new must be a sequence, got NoneType"),
         (StepEvents(resumed=5), "StepEvents.resumed must be a sequence, got int"),
+        ({"new": [NewRequest("a", [0])]}, "begin_step takes StepEvents, got dict"),
     ],
 )
 def test_events_that_are_not_sequences_raise_and_change_nothing(events, message) -> None:
@@ -336,6 +339,8 @@ def test_bad_config_raises_config_error() -> None:
         CacheConfig(num_blocks=1, block_size=16, inline_write_bytes=-1)
     with pytest.raises(ConfigError, match="config must be a CacheConfig"):
         PrefixCache({"num_blocks": 1})
+    with pytest.raises(ConfigError, match="policy must be a CachePolicy, got dict"):
+        PrefixCache(CacheConfig(num_blocks=1, block_size=16), {"cache_hidden": False})
     # (were accepted: a huge depth aborted the process allocating its registry, a huge page
     # failed the first save with torch's allocator error, a bool timeout meant 1 s, and a
     # threaded of "no" started the committer thread)
@@ -357,6 +362,51 @@ def test_closed_cache_refuses_calls_and_close_is_idempotent() -> None:
     cache.close()
     with pytest.raises(CacheClosedError):
         cache.begin_step(StepEvents())
+
+
+def test_a_with_block_closes_the_cache_it_configured() -> None:
+    config, policy = CacheConfig(num_blocks=16, block_size=4), CachePolicy(token_keys=frozenset({"codes"}))
+    with PrefixCache(config, policy) as cache:
+        assert cache.config is config and cache.policy is policy
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        cache.discard(save_one(cache))
+    with pytest.raises(CacheClosedError, match="the cache is closed"):
+        cache.begin_step(StepEvents())
+    with pytest.raises(CacheClosedError, match="the cache is closed"):
+        save_one(cache, first_slot=2)
+
+
+def test_close_writes_what_is_queued_then_ends_the_committer_thread() -> None:
+    cache = small_cache(inline_write_bytes=0)  # (the committer writes every step)
+    gate, write = threading.Event(), cache._writer.write_batch
+
+    def held_write(groups) -> None:
+        gate.wait(5)
+        write(groups)
+
+    cache._writer.write_batch = held_write
+    thread = cache._committer._thread
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+    cache.discard(cache.save(torch.ones(6, 2), {}, StepBatch(["a"], [6], np.arange(6))))
+    opener = threading.Timer(0.1, gate.set)
+    opener.start()
+    cache.close()  # (returns once the held write has landed)
+    opener.join()
+    assert not thread.is_alive()
+    stats = cache.stats()
+    assert stats.bytes_written == {"hidden": 6 * 2 * 4} and stats.tasks_live == 0
+
+
+def test_close_wakes_a_save_waiting_for_a_staging_page() -> None:
+    cache = small_cache(staging_depth=1, claim_timeout_s=30.0)
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+    save_one(cache)  # holds the only page, never consumed
+    waiter, errors = start_thread(save_one, cache, "a", 2)
+    time.sleep(0.1)  # (the save is waiting for the page)
+    cache.close()
+    waiter.join(5)
+    assert not waiter.is_alive(), "close did not wake the save waiting for a staging page"
+    assert [type(exc) for exc in errors] == [CacheClosedError], errors
 
 
 def test_returned_rows_are_copies_the_caller_may_write() -> None:

@@ -82,11 +82,6 @@ class KeyRegistry:
         self._leftover: set[str] = set()
         self._step_keys: dict[tuple[str, ...], StepKeys] = {}
 
-    @property
-    def specs(self) -> dict[str, KeySpec]:
-        """Per-token keys seen so far, by name (hidden under `HIDDEN`)."""
-        return self._specs
-
     def _check(self, name: str, value: Any, n: int, n_padded: int, spec: KeySpec | None) -> None:
         if not isinstance(value, torch.Tensor):
             raise InvalidInputError(f"{_what(name)} must be a tensor, got {type(value).__name__}")
