@@ -334,3 +334,18 @@ def test_a_cache_finalized_on_its_committer_thread_ends_the_thread_without_faili
     cache.flush()  # the write landed and nothing failed
     assert torch.equal(cache.materialize(sid, ["a"]).hidden["a"], torch.full((4, 2), 3.0))
     cache.close()
+
+
+def test_written_tasks_are_forgotten_so_a_long_run_tracks_nothing_once_idle() -> None:
+    # Every write task the committer publishes as written is forgotten at the next begin_step:
+    # its record and its entry in the native task table. A server runs for millions of steps.
+    with small_cache(inline_write_bytes=0) as cache:  # (the committer writes every step)
+        for i in range(40):
+            finished = [f"r{i - 1}"] if i else []
+            cache.begin_step(StepEvents(new=[NewRequest(f"r{i}", [i % 16])], finished=finished))
+            slots = np.arange(4) + 4 * (i % 16)
+            cache.discard(cache.save(torch.full((4, 2), float(i)), {}, StepBatch([f"r{i}"], [4], slots)))
+        cache.flush()
+        cache.begin_step(StepEvents(finished=["r39"]))
+        assert list(cache._tasks.states()) == [] and cache._records == {} and cache._open_writes == {}
+        assert cache.stats().bytes_written == {"hidden": 40 * 4 * 2 * 4}
