@@ -132,7 +132,7 @@ def test_materialize_refuses_a_bare_str_unhashable_and_duplicate_ids_and_consume
         with pytest.raises(InvalidInputError, match=r"req_ids holds request ids \(str\), got array\(\['a'\]"):
             cache.materialize(sid, list(np.array([["a"]])))
         with pytest.raises(InvalidInputError, match=r"req_ids has duplicates: \['a'\]; nothing was consumed"):
-            cache.materialize(sid, ["a", "a"])
+            cache.materialize(sid, ["a", "b", "a"])
         assert cache.stats().steps_outstanding == [sid]  # no refusal consumed the id
         out = cache.materialize(sid, ["a"])
         assert out.hidden["a"].shape == (8, 2)
@@ -292,6 +292,20 @@ def test_step_ids_out_of_range_are_never_issued_ones(step_id) -> None:
             with pytest.raises(StepIdError, match=rf"step#{step_id} was never issued; outstanding step ids: \[{sid}\]"):
                 call()
         cache.discard(sid)
+
+
+@pytest.mark.parametrize("step_id", [True, 1.0, "1", None])
+def test_step_ids_that_are_not_ints_are_refused_and_consume_nothing(step_id) -> None:
+    # (never read as the id they compare equal to: a typed error, whatever the cache issued)
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        sids = [save_one(cache), save_one(cache, first_slot=2)]
+        for call in (lambda: cache.materialize(step_id, ["a"]), lambda: cache.discard(step_id)):
+            with pytest.raises(InvalidInputError, match=rf"step_id must be an int, got {step_id!r}"):
+                call()
+        assert cache.stats().steps_outstanding == sids
+        for sid in sids:
+            cache.discard(sid)
 
 
 @pytest.mark.parametrize("timeout_s", [-1, float("nan"), float("inf"), "1", True])
