@@ -211,6 +211,21 @@ def test_a_late_read_of_a_reused_block_serves_the_old_tenant_from_a_preserved_co
         expect(cache.materialize(reuse_step, ["c"]), "c", [(3, 0, 5)])
 
 
+def test_a_late_read_of_a_partly_reused_prefix_counts_each_row_where_it_came_from() -> None:
+    # b hits a's two blocks; only block 0 is reused before b's step is materialized: its rows
+    # come from preserved copies, block 1's from the pool, and the stats say so per row.
+    with small_cache() as cache:
+        cache.materialize(run_step(cache, [NewRequest("a", [0, 1])], reqs=[("a", [0, 1], 0, 8, 1)]), ["a"])
+        cache.flush()
+        hit_step = run_step(cache, [NewRequest("b", [0, 1, 2], 8)], finished=["a"], reqs=[("b", [0, 1, 2], 8, 3, 2)])
+        reuse_step = run_step(cache, [NewRequest("c", [0, 3])], finished=["b"], reqs=[("c", [0, 3], 0, 5, 3)])
+        expect(cache.materialize(hit_step, ["b"]), "b", [(1, 0, 8), (2, 8, 3)])
+        stats = cache.stats()
+        # (per key: 4 rows of block 0 preserved, 4 of block 1 from the pool; hidden and codes)
+        assert (stats.rows_preserved, stats.rows_from_pool, stats.rows_in_flight) == (8, 8, 0)
+        expect(cache.materialize(reuse_step, ["c"]), "c", [(3, 0, 5)])
+
+
 def test_a_late_read_keeps_its_preserved_rows_while_another_thread_consumes_the_newer_step() -> None:
     # Thread T materializes the hit step; while its read is being served, the engine thread
     # discards the step that reused the block. The copy T needs must outlive that discard
