@@ -330,13 +330,18 @@ def test_a_slot_buffer_refilled_after_begin_step_does_not_change_a_saved_step() 
         cache.flush()
 
 
-def test_no_preserved_copy_raises_unservable_hit() -> None:
-    with small_cache(max_preserved_rows=0) as cache:
+@pytest.mark.parametrize("max_preserved_rows", [0, 7, 8])
+def test_a_late_read_is_served_only_if_every_row_it_lost_fit_the_preserved_bound(max_preserved_rows) -> None:
+    # The late read of block 0 needs 8 preserved rows (4 hidden + 4 codes).
+    with small_cache(max_preserved_rows=max_preserved_rows) as cache:
         cache.materialize(run_step(cache, [NewRequest("a", [0, 1])], reqs=[("a", [0, 1], 0, 8, 1)]), ["a"])
         hit_step = run_step(cache, [NewRequest("b", [0, 2], 4)], finished=["a"], reqs=[("b", [0, 2], 4, 3, 2)])
         reuse_step = run_step(cache, [NewRequest("c", [0, 3])], reqs=[("c", [0, 3], 0, 5, 3)])
-        with pytest.raises(UnservableHitError, match=r"overwritten by a newer tenant.*no copy was preserved"):
-            cache.materialize(hit_step, ["b"])
+        if max_preserved_rows < 8:
+            with pytest.raises(UnservableHitError, match=r"overwritten by a newer tenant.*no copy was preserved"):
+                cache.materialize(hit_step, ["b"])
+        else:
+            expect(cache.materialize(hit_step, ["b"]), "b", [(1, 0, 4), (2, 4, 3)])
         # The cache stays usable: the failed step id was consumed, the next one works.
         expect(cache.materialize(reuse_step, ["c"]), "c", [(3, 0, 5)])
         assert cache.stats().steps_outstanding == []

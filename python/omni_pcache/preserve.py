@@ -35,7 +35,6 @@ class PreservedRows:
         self._cond = cond  # shares the cache's ledger lock
         self._rows: dict[Entry, torch.Tensor | None] = {}
         self._by_step: dict[int, list[Entry]] = defaultdict(list)
-        self.num_preserved = 0
 
     def register(self, key: str, slots: list[int], versions: list[int], step_id: int) -> list[bool]:
         """Registers obligations (caller holds the ledger lock); returns, per slot, whether it
@@ -60,7 +59,6 @@ class PreservedRows:
                 entry = (key, slot, version)
                 if entry in self._rows:
                     self._rows[entry] = rows[i]
-                    self.num_preserved += 1
             self._cond.notify_all()
 
     def contains(self, key: str, slot: int, version: int) -> bool:
