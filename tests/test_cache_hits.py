@@ -342,7 +342,7 @@ def test_a_late_read_is_served_only_if_every_row_it_lost_fit_the_preserved_bound
                 cache.materialize(hit_step, ["b"])
         else:
             expect(cache.materialize(hit_step, ["b"]), "b", [(1, 0, 4), (2, 4, 3)])
-        # The cache stays usable: the failed step id was consumed, the next one works.
+        # Either way the step id is consumed and the cache stays usable: the next one works.
         expect(cache.materialize(reuse_step, ["c"]), "c", [(3, 0, 5)])
         assert cache.stats().steps_outstanding == []
 
