@@ -74,7 +74,7 @@ def test_full_staging_waits_then_raises_listing_unconsumed_ids() -> None:
             save_one(cache, first_slot=4)
         assert err.value.unconsumed == ids
         stats = cache.stats()
-        assert stats.num_waits == 1 and stats.wait_time_s >= 0.2
+        assert stats.num_waits == 1 and 0.2 <= stats.wait_time_s < 10
         assert stats.steps_outstanding == ids, "the refused save left no step id behind"
         # A consumer freeing a page from another thread lets a waiting save through.
         timer = threading.Timer(0.05, cache.discard, args=(ids[0],))

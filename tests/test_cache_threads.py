@@ -349,3 +349,24 @@ def test_written_tasks_are_forgotten_so_a_long_run_tracks_nothing_once_idle() ->
         cache.begin_step(StepEvents(finished=["r39"]))
         assert list(cache._tasks.states()) == [] and cache._records == {} and cache._open_writes == {}
         assert cache.stats().bytes_written == {"hidden": 40 * 4 * 2 * 4}
+
+
+def test_a_materialize_waiting_for_an_in_flight_write_is_counted_with_its_wait_time() -> None:
+    with small_cache(inline_write_bytes=0) as cache:  # (the committer writes every step)
+        gate, write = threading.Event(), cache._writer.write_batch
+
+        def held_write(groups) -> None:
+            assert gate.wait(10), "test gate never opened"
+            write(groups)
+
+        cache._writer.write_batch = held_write
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1]), NewRequest("b", [0, 2], 4)]))
+        # b hits block 0, which a computes in this very step: b's rows wait for a's write
+        sid = cache.save(torch.ones(8, 2), {}, StepBatch(["a", "b"], [6, 2], np.array([0, 1, 2, 3, 4, 5, 8, 9])))
+        timer = threading.Timer(0.2, gate.set)
+        timer.start()
+        out = cache.materialize(sid, ["b"])
+        timer.join()
+        assert torch.equal(out.hidden["b"], torch.ones(6, 2))
+        stats = cache.stats()
+        assert stats.num_waits == 1 and 0.2 <= stats.wait_time_s < 10 and stats.rows_in_flight == 4
