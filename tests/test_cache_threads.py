@@ -222,17 +222,19 @@ def test_stats_count_hits_rows_bytes_and_holders() -> None:
 
 def test_pool_storage_is_allocated_on_first_sight_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="omni_pcache")
-    with small_cache(num_blocks=8, block_size=4) as cache:
+    with small_cache(num_blocks=256, block_size=4) as cache:  # (1,024 slots)
         assert cache.stats().pool_bytes == {}
-        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2])]))
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2, 3])]))
         for i in range(3):
             mm = {"audio": torch.zeros(2, 4, 2, dtype=torch.bfloat16)}
-            cache.discard(cache.save(torch.zeros(2, 5), mm, StepBatch(["a"], [2], np.arange(2 * i, 2 * i + 2))))
-        assert cache.stats().pool_bytes == {"hidden": 32 * 5 * 4, "audio": 32 * 8 * 2}
+            cache.discard(cache.save(torch.zeros(2, 512), mm, StepBatch(["a"], [2], np.arange(2 * i, 2 * i + 2))))
+        # a second key set holding a key already stored: its storage is neither made nor logged again
+        cache.discard(cache.save(torch.zeros(2, 512), {}, StepBatch(["a"], [2], np.arange(6, 8))))
+        assert cache.stats().pool_bytes == {"hidden": 1024 * 512 * 4, "audio": 1024 * 8 * 2}
     pool_logs = [r.getMessage() for r in caplog.records if "host pool" in r.getMessage()]
     assert pool_logs == [  # (pageable by default, CUDA or not: CacheConfig.pin_pool)
-        "host pool for 'hidden' rows (5,) float32: 32 slots, 0.0 MiB",
-        "host pool for 'audio' rows (4, 2) bfloat16: 32 slots, 0.0 MiB",
+        "host pool for 'hidden' rows (512,) float32: 1024 slots, 2.0 MiB",
+        "host pool for 'audio' rows (4, 2) bfloat16: 1024 slots, 0.0 MiB",
     ]
 
 
