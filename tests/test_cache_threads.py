@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cachekit import small_cache
-from omni_pcache import NewRequest, StepBatch, StepEvents
+from omni_pcache import CachePolicy, NewRequest, StepBatch, StepEvents
 
 
 def recording_pool_writes(cache) -> list[str]:
@@ -338,19 +338,25 @@ def test_a_cache_finalized_on_its_committer_thread_ends_the_thread_without_faili
     cache.close()
 
 
-def test_written_tasks_are_forgotten_so_a_long_run_tracks_nothing_once_idle() -> None:
+@pytest.mark.parametrize("deferred", [False, True], ids=["step-writes", "with-deferred-records"])
+def test_written_tasks_are_forgotten_so_a_long_run_tracks_nothing_once_idle(deferred) -> None:
     # Every write task the committer publishes as written is forgotten at the next begin_step:
     # its record and its entry in the native task table. A server runs for millions of steps.
-    with small_cache(inline_write_bytes=0) as cache:  # (the committer writes every step)
+    # (With a deferred key every batch also holds a deferred record: the general write path.)
+    policy = CachePolicy(deferred_keys=frozenset({"codes"})) if deferred else None
+    with small_cache(inline_write_bytes=0, policy=policy) as cache:  # (the committer writes every step)
         for i in range(40):
             finished = [f"r{i - 1}"] if i else []
             cache.begin_step(StepEvents(new=[NewRequest(f"r{i}", [i % 16])], finished=finished))
             slots = np.arange(4) + 4 * (i % 16)
-            cache.discard(cache.save(torch.full((4, 2), float(i)), {}, StepBatch([f"r{i}"], [4], slots)))
-        cache.flush()
+            mm = {"codes": torch.full((4, 3), i)}
+            cache.discard(cache.save(torch.full((4, 2), float(i)), mm, StepBatch([f"r{i}"], [4], slots)))
         cache.begin_step(StepEvents(finished=["r39"]))
+        cache.flush()
+        cache.begin_step(StepEvents())
         assert list(cache._tasks.states()) == [] and cache._records == {} and cache._open_writes == {}
-        assert cache.stats().bytes_written == {"hidden": 40 * 4 * 2 * 4}
+        assert cache.stats().bytes_written == {"hidden": 40 * 4 * 2 * 4, "codes": 40 * 4 * 3 * 8}
+        assert cache.stats().deferred_open == 0 and cache.stats().device_bytes == 0
 
 
 def test_a_materialize_waiting_for_an_in_flight_write_is_counted_with_its_wait_time() -> None:
