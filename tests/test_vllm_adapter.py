@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -288,6 +289,21 @@ def test_tracker_appends_replaces_and_forgets() -> None:
     assert len(t) == 0
 
 
+def test_tracker_reads_an_older_vllms_per_entry_resume_flags() -> None:
+    # vLLM before 0.11 has no resumed_req_ids: each cached entry says resumed_from_preemption.
+    t = BlockTracker()
+    t.update(so_of(new=[new_req("a", [1, 2]), new_req("b", [3])], counts={"a": 8, "b": 4}))
+    t.update(so_of(preempted_req_ids={"b"}, cached=cached([("a", None, 8)]), counts={"a": 1}))
+    old = SimpleNamespace(
+        req_ids=["a", "b"],
+        resumed_from_preemption=[False, True],
+        new_block_ids=[([4],), ([7, 8],)],
+        num_computed_tokens=[9, 4],
+    )
+    t.update(so_of(cached=old, counts={"a": 1, "b": 2}))
+    assert t.blocks("a") == [1, 2, 4] and t.blocks("b") == [7, 8]  # a appended, b replaced
+
+
 def test_tracker_refuses_block_copies_and_changes_nothing() -> None:
     t = BlockTracker()
     t.update(so_of(new=[new_req("a", [1])], counts={"a": 4}))
@@ -370,6 +386,19 @@ def test_slot_mapping_refuses_a_negative_position_and_a_block_id_that_is_not_an_
         slot_mapping([[5, 6], ["x", 8]], np.array([0, 0]), np.array(counts), 4)
 
 
+def test_slot_mapping_takes_lists_refuses_unequal_lengths_and_names_the_first_short_row() -> None:
+    assert slot_mapping([[5, 6]], [6], [2], 4).tolist() == [26, 27]  # (starts and counts as lists)
+    # (a block list too many was ignored: its request got no slots and no error)
+    with pytest.raises(InvalidInputError, match="2 block lists for 1 starts and 1 counts"):
+        slot_mapping([[5, 6], [7]], [0], [2], 4)
+    with pytest.raises(InvalidInputError, match="1 block lists for 1 starts and 2 counts"):
+        slot_mapping([[5, 6]], [0], [2, 1], 4)
+    # row 0 schedules nothing past its list and row 1 has exactly the blocks it needs: row 2 is short
+    short = r"^row 2: positions \[6, 10\) need 3 blocks of 4 but the request has 2$"
+    with pytest.raises(InvalidInputError, match=short):
+        slot_mapping([[7], [5], [5, 6]], [6, 0, 6], [0, 4, 4], 4)
+
+
 def test_step_batch_checks_the_rows_against_the_scheduler_output() -> None:
     t = BlockTracker()
     so = so_of(new=[new_req("a", [3, 4]), new_req("b", [5], 0)], counts={"a": 6, "b": 2})
@@ -381,6 +410,11 @@ def test_step_batch_checks_the_rows_against_the_scheduler_output() -> None:
         step_batch(so, t, ["a", "z"], 4)
     with pytest.raises(InvalidInputError, match=r"\['b'\] are missing"):
         step_batch(so, t, ["a"], 4)
+    again = step_batch(so, t, iter(["b", "a"]), 4)  # (row order from any iterable, read once)
+    assert again.req_ids == ["b", "a"] and again.slot_mapping.tolist() == batch.slot_mapping.tolist()
+    t.update(so_of(preempted_req_ids={"a"}, cached=cached([("b", None, 2)]), counts={"b": 1}))
+    with pytest.raises(InvalidInputError, match="request 'a' is preempted to the block tracker"):
+        step_batch(so, t, ["b", "a"], 4)  # (an output the tracker has moved past)
 
 
 # ---- ranks and the mixin off the happy path ------------------------------------------------------

@@ -57,8 +57,6 @@ def computed_tokens(scheduler_output: Any) -> dict[str, int]:
 
 
 def _short_list_error(block_lists, starts: np.ndarray, counts: np.ndarray, block_size: int) -> InvalidInputError:
-    if not len(block_lists) == len(starts) == len(counts):
-        return InvalidInputError(f"{len(block_lists)} block lists for {len(starts)} starts and {len(counts)} counts")
     needed = np.where(counts > 0, (starts + counts - 1) // block_size + 1, 0)
     lengths = np.fromiter(map(len, block_lists), dtype=np.int64, count=len(block_lists))
     short = np.flatnonzero(needed > lengths)
@@ -77,9 +75,11 @@ def slot_mapping(
     """Slots of positions ``[starts[i], starts[i] + counts[i])`` under ``block_lists[i]``, concatenated
     (int64). Only the blocks those positions touch are gathered, so a decode step costs O(1) per
     request whatever its length. Raises `InvalidInputError` for a negative start, a list too
-    short for its positions, or an entry that is not a block id."""
+    short for its positions, an entry that is not a block id, or arguments of unequal lengths."""
     starts = np.asarray(starts, dtype=np.int64)
     counts = np.asarray(counts, dtype=np.int64)
+    if not len(block_lists) == len(starts) == len(counts):  # (else the extra entries would be ignored)
+        raise InvalidInputError(f"{len(block_lists)} block lists for {len(starts)} starts and {len(counts)} counts")
     n = int(counts.sum())
     if n == 0:
         return np.empty(0, dtype=np.int64)
