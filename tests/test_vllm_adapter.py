@@ -18,7 +18,16 @@ import pytest
 import torch
 
 import vllm_standins as v
-from omni_pcache import CacheConfig, CachePolicy, ConfigError, InvalidInputError, PrefixCache, StepIdError
+from omni_pcache import (
+    CacheClosedError,
+    CacheConfig,
+    CachePolicy,
+    ConfigError,
+    InvalidInputError,
+    PrefixCache,
+    StepEvents,
+    StepIdError,
+)
 from omni_pcache.vllm import (
     BlockTracker,
     NoOpCache,
@@ -329,8 +338,15 @@ def test_tracker_rejects_a_running_request_it_does_not_know() -> None:
 
 def test_tracker_refuses_several_kv_groups() -> None:
     req = v.NewRequestData("a", [1], [], None, None, ([1], [2]), 0, None)
+    t = BlockTracker()
     with pytest.raises(ConfigError, match="2 KV-cache groups"):
-        BlockTracker().update(so_of(new=[req], counts={"a": 1}))
+        t.update(so_of(new=[req], counts={"a": 1}))
+    t.update(so_of(new=[new_req("a", [1])], counts={"a": 4}))
+    two = cached([("a", [2], 4)])
+    two.new_block_ids[0] = ([2], [3])
+    with pytest.raises(ConfigError, match="2 KV-cache groups"):
+        t.update(so_of(cached=two, counts={"a": 1}))
+    assert t.blocks("a") == [1]
 
 
 def test_tracker_refuses_a_malformed_scheduler_output_and_changes_nothing() -> None:
@@ -507,6 +523,43 @@ def test_the_mixin_discards_and_fixes_the_policy_at_the_first_step() -> None:
     finally:
         runner.pcache_shutdown()
         runner.pcache_shutdown()  # idempotent
+
+
+def test_a_policy_loaded_after_init_is_the_caches_and_a_bad_one_is_refused() -> None:
+    runner = Runner("scheduler", "inline")
+    assert runner.pcache_init(**stage_configs(T), is_last_pipeline_stage=True, tensor_parallel_rank=0)
+    try:
+        with pytest.raises(ConfigError, match="pcache_load_policy takes a CachePolicy, got dict"):
+            runner.pcache_load_policy({"token_keys": []})
+        runner.pcache_load_policy(CachePolicy(token_keys=frozenset({"codes"})))  # (KV init ran first)
+        runner.pcache_begin_step(scheduler_output(T, RECORDED[0]))
+        assert runner.pcache.policy.token_keys == frozenset({"codes"})
+    finally:
+        runner.pcache_shutdown()
+
+
+def test_a_save_before_any_begin_step_is_refused() -> None:
+    runner = Runner("scheduler", "inline")
+    assert runner.pcache_init(**stage_configs(T), is_last_pipeline_stage=True, tensor_parallel_rank=0)
+    so = scheduler_output(T, RECORDED[0])
+    with pytest.raises(ConfigError, match="pcache_save before pcache_begin_step"):
+        runner.pcache_save(torch.zeros(18, 4), {}, so, ["A", "E"])
+    runner.pcache_shutdown()
+
+
+def test_shutdown_and_a_kv_cache_re_init_close_the_running_cache() -> None:
+    runner = Runner("scheduler", "inline")
+    for end in ("re-init", "shutdown"):
+        assert runner.pcache_init(**stage_configs(T), is_last_pipeline_stage=True, tensor_parallel_rank=0)
+        runner.pcache_begin_step(scheduler_output(T, RECORDED[0]))
+        cache = runner.pcache
+        if end == "re-init":
+            assert runner.pcache_init(**stage_configs(T), is_last_pipeline_stage=True, tensor_parallel_rank=0)
+        else:
+            runner.pcache_shutdown()
+        with pytest.raises(CacheClosedError):  # (its committer thread has ended)
+            cache.begin_step(StepEvents())
+    runner.pcache_shutdown()
 
 
 def test_the_recorded_sequence_is_refused_with_block_copies_mid_run() -> None:
