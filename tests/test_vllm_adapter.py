@@ -215,6 +215,17 @@ REFUSED = {
         {"cache_config": v.CacheConfig(block_size=16, kv_sharing_fast_prefill=True)},
         "kv_sharing_fast_prefill=False",
     ),
+    "mixed-block-sizes": (
+        {
+            "spec": v.UniformTypeKVCacheSpecs(
+                block_size=16,
+                kv_cache_specs={"a": v.FullAttentionSpec(block_size=16), "b": v.FullAttentionSpec(block_size=32)},
+            )
+        },
+        "different block sizes in one KV-cache group ([16, 32])",
+    ),
+    # a transfer config without vLLM's is_kv_consumer property (older vLLM): its kv_role decides
+    "kv-consumer-by-role": ({"kv_transfer_config": SimpleNamespace(kv_role="kv_consumer")}, "kv_role"),
     "sub-block-prefix-match": (
         {"cache_config": v.CacheConfig(block_size=16, prefix_match_unit=4)},
         "prefix_match_unit",
@@ -242,6 +253,13 @@ def test_gate_refuses_with_the_option_to_change(case: str) -> None:
 def test_a_consumer_role_without_a_connector_is_not_a_consumer() -> None:
     # vLLM's is_kv_consumer needs a connector: nothing is loaded, nothing to refuse.
     assert cache_config_from_vllm(**configs(kv_transfer_config=v.KVTransferConfig(None, "kv_consumer"))) is not None
+    older = SimpleNamespace(kv_role="kv_producer")  # (no is_kv_consumer property: its role decides)
+    assert cache_config_from_vllm(**configs(kv_transfer_config=older)) is not None
+
+
+def test_gate_needs_the_schedulers_batch_size() -> None:
+    with pytest.raises(ConfigError, match=r"scheduler_config\.max_num_batched_tokens is not set"):
+        cache_config_from_vllm(**configs(scheduler_config=SimpleNamespace(max_num_batched_tokens=None)))
 
 
 # ---- the block tracker ---------------------------------------------------------------------------
