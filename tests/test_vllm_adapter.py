@@ -461,9 +461,10 @@ def test_only_the_output_rank_gets_a_cache() -> None:
         assert isinstance(real, PrefixCache)
     finally:
         real.close()
+    policy = CachePolicy(cache_hidden=False)
     for last, tp in [(False, 0), (True, 1), (False, 3)]:
-        noop = build_cache(config, is_last_pipeline_stage=last, tensor_parallel_rank=tp)
-        assert isinstance(noop, NoOpCache)
+        with build_cache(config, policy, is_last_pipeline_stage=last, tensor_parallel_rank=tp) as noop:
+            assert isinstance(noop, NoOpCache) and noop.config is config and noop.policy is policy
 
 
 @pytest.mark.parametrize(
