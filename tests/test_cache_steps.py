@@ -171,6 +171,7 @@ def test_materialize_refuses_a_bare_str_unhashable_and_duplicate_ids_and_consume
         (StepBatch("ab", [1, 1], np.arange(2)), "StepBatch.req_ids must be a sequence, got the single 'ab'"),
         (StepBatch(None, [2], np.arange(2)), "StepBatch.req_ids must be a sequence, got NoneType"),
         (StepBatch(["a"], None, np.arange(2)), "StepBatch.num_scheduled_tokens must be a sequence, got NoneType"),
+        ({"req_ids": ["a"], "num_scheduled_tokens": [2]}, "save takes a StepBatch, got dict"),
     ],
 )
 def test_bad_batches_raise_and_the_cache_stays_usable(batch, message) -> None:
@@ -182,6 +183,9 @@ def test_bad_batches_raise_and_the_cache_stays_usable(batch, message) -> None:
         assert stats.steps_outstanding == [] and stats.tasks_live == 0 and stats.staging_holders == [[], [], []]
         out = cache.materialize(save_one(cache), ["a"])
         assert torch.equal(out.hidden["a"], torch.ones(2, 2))
+        # (the same rows saved with num_tokens_padded == the scheduled tokens: no padding)
+        out = cache.materialize(cache.save(torch.ones(2, 2), {}, StepBatch(["a"], [2], np.arange(2, 4), 2)), ["a"])
+        assert torch.equal(out.hidden["a"], torch.ones(2, 2))  # (a continued request: this step's rows)
 
 
 @pytest.mark.parametrize(
