@@ -123,6 +123,11 @@ class Span(NamedTuple):
         ({"token_keys": 5}, "CachePolicy.token_keys must be a collection of key names, got 5"),
         ({"token_keys": {"codes", 7}}, r"CachePolicy.token_keys holds key names \(str\), got 7"),
         ({"cache_hidden": "no"}, "CachePolicy.cache_hidden must be a bool, got 'no'"),
+        ({"token_keys": {"hidden"}}, "'hidden' is reserved for hidden states; use cache_hidden"),
+        (
+            {"token_keys": {"codes"}, "deferred_keys": {"codes", "audio"}},
+            r"deferred_keys \['audio'\] are not in token_keys",
+        ),
     ],
 )
 def test_a_policy_of_the_wrong_shape_is_refused(kwargs, message) -> None:

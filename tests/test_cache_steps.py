@@ -344,6 +344,16 @@ def test_bad_hidden_raises() -> None:
         cache.discard(save_one(cache))
 
 
+def test_config_bounds_are_inclusive() -> None:
+    # (each bound itself is accepted: a timeout of 0 never waits, 2**32 - 1 slots are addressable)
+    CacheConfig(num_blocks=1, block_size=16, claim_timeout_s=0)
+    CacheConfig(num_blocks=1, block_size=16, claim_timeout_s=threading.TIMEOUT_MAX)
+    CacheConfig(num_blocks=1, block_size=16, staging_depth=1024, staging_capacity_tokens=2**24)
+    assert CacheConfig(num_blocks=2**32 - 1, block_size=1).num_slots == 2**32 - 1
+    with pytest.raises(ConfigError, match=r"num_blocks \* block_size = 4294967296 slots exceeds 2\*\*32 - 1"):
+        CacheConfig(num_blocks=2**28, block_size=16)
+
+
 def test_bad_config_raises_config_error() -> None:
     with pytest.raises(ConfigError, match="num_blocks must be a positive int"):
         CacheConfig(num_blocks=0, block_size=16)

@@ -9,6 +9,7 @@ they can be imported (`just test-vllm`).
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -486,7 +487,7 @@ def test_the_mixin_is_a_no_op_on_other_ranks(rank) -> None:
     out = runner.pcache_materialize(first, ["A", "E"])
     assert out.hidden is None and out.mm == {}
     runner.pcache_discard(second)
-    assert runner.pcache_stats().hits == 0
+    assert not any(dataclasses.astuple(runner.pcache_stats())), "zero counters, nothing listed"
     assert len(runner._pcache_state.tracker) == 0  # no tracking off the output rank
     runner.pcache_shutdown()
 
