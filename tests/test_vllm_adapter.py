@@ -212,6 +212,19 @@ REFUSED = {
         {"parallel_config": v.ParallelConfig(decode_context_parallel_size=2)},
         "decode_context_parallel_size",
     ),
+    "prefill-context-parallel": (
+        {"parallel_config": v.ParallelConfig(prefill_context_parallel_size=2)},
+        "parallel_config.prefill_context_parallel_size=2",
+    ),
+    "uniform-with-a-window": (
+        {
+            "spec": v.UniformTypeKVCacheSpecs(
+                block_size=16,
+                kv_cache_specs={"a": v.FullAttentionSpec(block_size=16), "b": v.SlidingWindowSpec(block_size=16)},
+            )
+        },
+        "kv_cache_groups[0] is SlidingWindowSpec)",
+    ),
     "kv-sharing-fast-prefill": (
         {"cache_config": v.CacheConfig(block_size=16, kv_sharing_fast_prefill=True)},
         "kv_sharing_fast_prefill=False",
