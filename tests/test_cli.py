@@ -97,3 +97,22 @@ def test_demo_json_is_strict_json_when_a_row_is_nan(monkeypatch, capsys) -> None
     rc = main(["demo", "--requests", "6", "--model", "prefix-hash", "--json"])
     summary = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
     assert rc == 1 and summary["passed"] is False and summary["max_abs_diff"] == "inf"
+
+
+def test_demo_table_lists_the_mismatches_of_a_failing_run(monkeypatch, capsys) -> None:
+    from omni_pcache.engine import compare as compare_module
+
+    real = compare_module.compare
+
+    def wrong_rows(cached, reference, atol):
+        result = real(cached, reference, atol)
+        result.mismatches = ["r1: row 3 differs", "r2: 2 leftovers unequal"]
+        return result
+
+    monkeypatch.setattr("omni_pcache.cli.compare", wrong_rows)
+    rc = main(["demo", "--requests", "6", "--model", "prefix-hash", "--abort-rate", "0"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "mismatch r1: row 3 differs" in out and "mismatch r2: 2 leftovers unequal" in out
+    assert "FAIL: full-sequence outputs differ from the reference" in out
+    assert "(0 aborted)" in out  # (--abort-rate 0 reached the workload)
