@@ -378,3 +378,18 @@ def test_a_materialize_waiting_for_an_in_flight_write_is_counted_with_its_wait_t
         assert torch.equal(out.hidden["b"], torch.ones(6, 2))
         stats = cache.stats()
         assert stats.num_waits == 1 and 0.2 <= stats.wait_time_s < 10 and stats.rows_in_flight == 4
+
+
+def test_the_fence_forgets_the_copies_it_finished() -> None:
+    # Steps of 256 KiB and more are copied off the engine thread; each begin_step's fence
+    # finishes the step before's copies and forgets them, so it never walks old steps again.
+    with small_cache(staging_capacity_tokens=64) as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", list(range(16)))]))
+        for i in range(6):
+            rows = torch.full((64, 1024), float(i))  # 256 KiB: copied by the committer or the fence
+            cache.discard(cache.save(rows, {}, StepBatch(["a"], [64], np.arange(64))))
+            cache.begin_step(StepEvents())
+            assert cache._copies._last_host == [], f"step {i}: finished copies are still listed"
+        cache.flush()
+        sid = cache.save(torch.ones(1, 1024), {}, StepBatch(["a"], [1], np.arange(1)))
+        assert torch.equal(cache.materialize(sid, ["a"]).hidden["a"], torch.ones(1, 1024))
