@@ -188,6 +188,11 @@ def test_gate_accepts_a_kv_producer() -> None:
     assert cache_config_from_vllm(**configs(kv_transfer_config=producer)) is not None
 
 
+def uniform_group(*layer_specs) -> v.UniformTypeKVCacheSpecs:
+    """One KV-cache group whose layers have these specs (layer names "l0", "l1", ...)."""
+    return v.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={f"l{i}": s for i, s in enumerate(layer_specs)})
+
+
 REFUSED = {
     "kv-consumer": ({"kv_transfer_config": v.KVTransferConfig("NixlConnector", "kv_consumer")}, "kv_role"),
     "kv-both": ({"kv_transfer_config": v.KVTransferConfig("LMCacheConnectorV1", "kv_both")}, "kv_role"),
@@ -217,12 +222,7 @@ REFUSED = {
         "parallel_config.prefill_context_parallel_size=2",
     ),
     "uniform-with-a-window": (
-        {
-            "spec": v.UniformTypeKVCacheSpecs(
-                block_size=16,
-                kv_cache_specs={"a": v.FullAttentionSpec(block_size=16), "b": v.SlidingWindowSpec(block_size=16)},
-            )
-        },
+        {"spec": uniform_group(v.FullAttentionSpec(block_size=16), v.SlidingWindowSpec(block_size=16))},
         "kv_cache_groups[0] is SlidingWindowSpec)",
     ),
     "kv-sharing-fast-prefill": (
@@ -230,12 +230,7 @@ REFUSED = {
         "kv_sharing_fast_prefill=False",
     ),
     "mixed-block-sizes": (
-        {
-            "spec": v.UniformTypeKVCacheSpecs(
-                block_size=16,
-                kv_cache_specs={"a": v.FullAttentionSpec(block_size=16), "b": v.FullAttentionSpec(block_size=32)},
-            )
-        },
+        {"spec": uniform_group(v.FullAttentionSpec(block_size=16), v.FullAttentionSpec(block_size=32))},
         "different block sizes in one KV-cache group ([16, 32])",
     ),
     # a transfer config without vLLM's is_kv_consumer property (older vLLM): its kv_role decides
