@@ -63,13 +63,27 @@ class LedgerModel:
     version: dict[tuple[int, int], int] = field(default_factory=dict)
     readers: dict[tuple[int, int], int] = field(default_factory=dict)
     claims: dict[int, dict[int, list[tuple[int, int]]]] = field(default_factory=dict)
+    # Successful claims and invalidations so far: a claim's slots get the next number as version.
+    num_claims: int = 0
 
     def get(self, slot: int, key: int) -> tuple[int, int, int]:
         k = (slot, key)
         return self.owner.get(k, SOURCE_ABSENT), self.version.get(k, 0), self.readers.get(k, 0)
 
 
-slot_lists = st.lists(st.integers(0, NUM_SLOTS - 1), unique=True, max_size=5)
+BLOCK_SIZE = 4  # the ledger's: whole blocks of 4 are summarised, parts of one are per slot
+# Scattered slots, or whole blocks of consecutive slots (as an engine hands them out), the last
+# one sometimes cut short.
+slot_lists = st.one_of(
+    st.lists(st.integers(0, NUM_SLOTS - 1), unique=True, max_size=5),
+    st.builds(
+        lambda blocks, cut: [s for b in blocks for s in range(b * BLOCK_SIZE, (b + 1) * BLOCK_SIZE)][
+            : len(blocks) * BLOCK_SIZE - cut
+        ],
+        st.lists(st.integers(0, NUM_SLOTS // BLOCK_SIZE - 1), unique=True, min_size=1, max_size=2),
+        st.integers(0, BLOCK_SIZE - 1),
+    ),
+)
 # The ledger's rules name tasks by id alone (the ledger keeps no task table of its own): a few
 # ids, so claims, steals and commits meet on the same slots.
 ledger_tasks = st.integers(0, 3)
@@ -87,7 +101,7 @@ class NativeMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.write_tasks = WriteTasks()
-        self.ledger = Ledger(NUM_SLOTS)
+        self.ledger = Ledger(NUM_SLOTS, BLOCK_SIZE)
         assert [self.ledger.add_key() for _ in range(NUM_KEYS)] == list(range(NUM_KEYS))
         self.step_ids = StepIds()
         self.staging = StagingSlots(NUM_STAGING)
@@ -234,6 +248,8 @@ class NativeMachine(RuleBasedStateMachine):
             out = self.ledger.claim(np.array(slots, dtype=np.int64), key, task_id)
             me, rows = task_id, self.m_ledger.claims.setdefault(task_id, {}).setdefault(key, [])
         stolen, stolen_from, preserve = [], [], []
+        self.m_ledger.num_claims += 1
+        new_version = self.m_ledger.num_claims
         for slot in slots:
             owner, version, readers = self.m_ledger.get(slot, key)
             other_task = owner >= 0 and owner != me
@@ -243,9 +259,9 @@ class NativeMachine(RuleBasedStateMachine):
             if readers > 0 and (owner == SOURCE_POOL or other_task):
                 preserve.append((slot, version, owner))
             self.m_ledger.owner[(slot, key)] = me
-            self.m_ledger.version[(slot, key)] = version + 1
+            self.m_ledger.version[(slot, key)] = new_version
             self.m_ledger.readers[(slot, key)] = 0
-            rows.append((slot, version + 1))
+            rows.append((slot, new_version))
         OUTCOMES["preserved"] += len(preserve)
         OUTCOMES["stolen"] += len(stolen)
         OUTCOMES["invalidated" if task_id is None else "claimed"] += len(slots)
@@ -291,7 +307,11 @@ class NativeMachine(RuleBasedStateMachine):
     def abandon(self, task_id: int) -> None:
         self._settle(task_id, SOURCE_ABSENT, self.ledger.abandon)
 
-    @rule(target=reads, slots=st.lists(st.integers(0, NUM_SLOTS - 1), max_size=5), key=st.integers(0, 1))
+    @rule(
+        target=reads,
+        slots=st.one_of(st.lists(st.integers(0, NUM_SLOTS - 1), max_size=5), slot_lists),
+        key=st.integers(0, 1),
+    )
     def plan_read(self, slots: list[int], key: int) -> int:
         plan = self.ledger.plan_read(np.array(slots, dtype=np.int32), key)
         owners, versions = [], []

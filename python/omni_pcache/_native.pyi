@@ -84,10 +84,11 @@ class Ledger:
     """Per (slot, key) occupancy and versions, pending reads, copy-on-write lists. Any thread."""
 
     num_slots: int
+    block_size: int
     num_keys: int
     num_tasks: int
     num_pending_reads: int
-    def __init__(self, num_slots: int) -> None: ...
+    def __init__(self, num_slots: int, block_size: int = 16) -> None: ...
     def add_key(self) -> int: ...
     def claim(self, slots: IndexLike, key_id: int, task_id: int) -> ClaimOutcome: ...
     def claim_many(
@@ -95,7 +96,7 @@ class Ledger:
     ) -> ClaimOutcome: ...
     def invalidate(self, slots: IndexLike, key_id: int) -> ClaimOutcome:
         """The slots' rows of the key are gone with nothing replacing them (a step that did not
-        give the key): versions bumped, slots absent; reports what a claim would."""
+        give the key): a new version, slots absent; reports what a claim would."""
     def owned(self, task_id: int, key_id: int) -> tuple[IndexArray, IndexArray]: ...
     def owned_many(
         self, task_ids: Sequence[int], key_id: int, offsets: Sequence[int]

@@ -86,7 +86,7 @@ class PrefixCache:
         self._config = config
         self._policy = policy
         self._cond = threading.Condition(threading.Lock())
-        self._ledger = Ledger(config.num_slots)
+        self._ledger = Ledger(config.num_slots, config.block_size)
         self._tasks = WriteTasks()
         self._staging = StagingSlots(config.staging_depth)
         self._keys = KeyRegistry(policy, self._ledger.add_key)

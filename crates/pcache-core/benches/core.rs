@@ -72,7 +72,7 @@ fn block_layout_slots() -> Vec<i64> {
 
 /// A ledger of `NUM_SLOTS` slots with one key.
 fn ledger_with_key() -> (Ledger, KeyId) {
-    let mut ledger = Ledger::new(NUM_SLOTS).expect("non-empty ledger");
+    let mut ledger = Ledger::new(NUM_SLOTS, 16).expect("non-empty ledger");
     let key = ledger.add_key();
     (ledger, key)
 }
@@ -84,9 +84,9 @@ fn bench_ledger(c: &mut Criterion) {
 
     // The ledger is kept across iterations and every iteration uses the next task id, as the
     // cache does. After the first iteration the slots are committed with no pending reader,
-    // so each claim takes the common path: bump versions, take ownership, nothing stolen and
-    // nothing to preserve. The task's row list is allocated by the claim and freed by the
-    // commit, inside the measurement.
+    // so each claim takes the common path: whole blocks taken over at a new version, nothing
+    // stolen and nothing to preserve. The task's row list is allocated by the claim and freed
+    // by the commit, inside the measurement.
     group.bench_function("claim_commit_16k", |b| {
         let (mut ledger, key) = ledger_with_key();
         let mut next_task = 0u64;

@@ -37,7 +37,7 @@ id_newtype!(
     KeyId(u32), "key#"
 );
 id_newtype!(
-    /// The write version of one (slot, key); bumped by every claim.
+    /// The write version of one (slot, key): the number of the ledger claim that wrote it.
     Version(u64), "v"
 );
 id_newtype!(

@@ -1,8 +1,9 @@
 //! The slot/version ledger: for every (slot, key), who holds the row and at which version.
 //!
 //! Occupancy of a (slot, key) is *absent*, *in transit* under a write task, or *committed*
-//! (its row is in the pool). Every claim bumps the version. From that the ledger answers the
-//! three questions the cache asks:
+//! (its row is in the pool). Every claim gives its slots a new version: the ledger-wide number
+//! of that claim (1, 2, ...), so a version never repeats on a slot. From that the ledger
+//! answers the three questions the cache asks:
 //!
 //! - **claim** (a write is planned): which slots were stolen from an older in-transit task —
 //!   that task must skip them when it writes, so the newest tenant wins — and which committed
@@ -21,12 +22,16 @@
 //! Per key, three columns hold one entry per slot: the owner (a 4-byte code: nobody, the
 //! pool, or an in-transit task's handle), the version and the number of pending readers.
 //! Slot lists are handled as *runs* of consecutive ids: the engine hands out slots in blocks
-//! of consecutive ids, so 16,384 slots are typically 1,024 runs of 16, each one contiguous
-//! range of every column, walked by branch-free loops the compiler vectorises; a scattered
-//! list is handled slot by slot. A task's claimed rows and a pending read's slots are kept
-//! as runs too, and a pending read keeps one captured version per run of equal versions.
-//! The columns and their per-slot/per-run claim live in `slot_columns`; the values calls hand
-//! back in `ledger_outcomes`.
+//! of consecutive ids, so 16,384 slots are typically 1,024 runs of 16. Each block of the
+//! engine's block size also has a summary entry: a claim that takes a whole block sets the
+//! summary alone, and while the block is *whole* its slots share that entry, so a commit, a
+//! read and a release of the block are one update each, not one per slot. A call that
+//! touches part of a whole block first writes the summary to the block's slots; per-slot
+//! ranges are walked by branch-free loops the compiler vectorises, and a scattered list slot
+//! by slot. A task's claimed rows and a pending read's slots are kept as runs too, and a
+//! pending read keeps one captured version per run of equal versions. The columns and their
+//! per-block/per-slot operations live in `slot_columns`; the values calls hand back in
+//! `ledger_outcomes`.
 
 use std::collections::HashMap;
 
@@ -35,9 +40,9 @@ use crate::ids::{KeyId, ReadId, TaskId};
 pub use crate::ledger_outcomes::{
     contiguous_from, ClaimOutcome, ReadPlan, Source, SOURCE_ABSENT, SOURCE_POOL,
 };
-use crate::slot_columns::{Handles, KeyColumns, OWNER_ABSENT, OWNER_POOL};
+use crate::slot_columns::{Handles, KeyColumns, ReadOf, OWNER_ABSENT, OWNER_POOL};
 pub use crate::slot_runs::RawSlot;
-use crate::slot_runs::{check_unique, split_runs, Run, SHORT_RUN};
+use crate::slot_runs::{check_unique, split_runs, Run};
 
 #[derive(Debug, Clone)]
 struct PendingRead {
@@ -120,30 +125,41 @@ impl TaskClaims {
 #[derive(Debug, Clone)]
 pub struct Ledger {
     num_slots: u32,
+    block_size: u32,
     keys: Vec<KeyColumns>,
     tasks: HashMap<TaskId, TaskClaims>,
     handles: Handles,
     reads: HashMap<ReadId, PendingRead>,
     next_read: u64,
+    /// The version the next claim gives its slots.
+    next_version: u64,
     /// Duplicate detection for claims: one bit per slot, all clear between calls.
     seen: Vec<u64>,
 }
 
 impl Ledger {
-    /// A ledger for `num_slots` slots (`num_blocks * block_size`) and no keys yet.
-    pub fn new(num_slots: u32) -> Result<Self> {
-        if num_slots == 0 {
+    /// A ledger for `num_slots` slots (`num_blocks * block_size`) and no keys yet. The
+    /// block size is the engine's KV block size: slots `b * block_size ..` form block `b`,
+    /// which the ledger summarises (see the module docs). It changes no result, only how
+    /// fast whole blocks go.
+    pub fn new(num_slots: u32, block_size: u32) -> Result<Self> {
+        if num_slots == 0 || block_size == 0 {
             return Err(Error::InvalidConfig {
-                what: "a ledger needs at least one slot".into(),
+                what: format!(
+                    "a ledger needs at least one slot and a block size of at least one \
+                     (got {num_slots} slots in blocks of {block_size})"
+                ),
             });
         }
         Ok(Self {
             num_slots,
+            block_size,
             keys: Vec::new(),
             tasks: HashMap::new(),
             handles: Handles::default(),
             reads: HashMap::new(),
             next_read: 0,
+            next_version: 1,
             seen: vec![0; num_slots.div_ceil(64) as usize],
         })
     }
@@ -153,6 +169,11 @@ impl Ledger {
         self.num_slots
     }
 
+    /// The block size the ledger summarises.
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
     /// Number of registered keys.
     pub fn num_keys(&self) -> u32 {
         self.keys.len() as u32
@@ -160,12 +181,8 @@ impl Ledger {
 
     /// Registers a key: every slot absent at version 0.
     pub fn add_key(&mut self) -> KeyId {
-        let n = self.num_slots as usize;
-        self.keys.push(KeyColumns {
-            owner: vec![OWNER_ABSENT; n],
-            version: vec![0; n],
-            readers: vec![0; n],
-        });
+        let columns = KeyColumns::new(self.num_slots as usize, self.block_size as usize);
+        self.keys.push(columns);
         KeyId(self.keys.len() as u32 - 1)
     }
 
@@ -205,8 +222,8 @@ impl Ledger {
     }
 
     /// Claims `slots` of `key` for `task`, in the task's row order (appended to what the
-    /// task already claimed on this key). Every slot's version is bumped and its owner becomes
-    /// `task`. A slot the same task already holds is not reported as stolen or preserved. Refused as a whole (nothing changes) for an unknown key, an out-of-range or
+    /// task already claimed on this key). Every slot gets this claim's version and its owner
+    /// becomes `task`. A slot the same task already holds is not reported as stolen or preserved. Refused as a whole (nothing changes) for an unknown key, an out-of-range or
     /// negative slot, or a slot listed twice.
     pub fn claim<S: RawSlot>(
         &mut self,
@@ -218,8 +235,16 @@ impl Ledger {
         let runs = split_runs(slots, self.num_slots)?;
         check_unique(&mut self.seen, &runs, slots)?;
         let mut out = ClaimOutcome::default();
-        self.claim_runs(runs, key, task, &mut out);
+        let version = self.take_version();
+        self.claim_runs(runs, key, task, version, &mut out);
         Ok(out)
+    }
+
+    /// The version of the next claim (one per successful call).
+    fn take_version(&mut self) -> u64 {
+        let version = self.next_version;
+        self.next_version += 1;
+        version
     }
 
     /// Claims several tasks' slots in one call: the first `counts[0]` slots for `tasks[0]`,
@@ -249,20 +274,21 @@ impl Ledger {
         let all = split_runs(slots, self.num_slots)?;
         check_unique(&mut self.seen, &all, slots)?;
         let mut out = ClaimOutcome::default();
+        let version = self.take_version();
         let mut start = 0;
         for (&count, &task) in counts.iter().zip(tasks) {
             let segment = &slots[start..start + count];
             start += count;
             if !segment.is_empty() {
                 let runs = split_runs(segment, self.num_slots)?;
-                self.claim_runs(runs, key, task, &mut out);
+                self.claim_runs(runs, key, task, version, &mut out);
             }
         }
         Ok(out)
     }
 
     /// The rows of `slots` on `key` are gone and nothing replaces them (a step that computed
-    /// these positions did not give this key): every slot's version is bumped and it becomes
+    /// these positions did not give this key): every slot gets a new version and becomes
     /// absent, so a read planned later finds no row to serve and a pending read sees its row
     /// move. Reports what a claim reports: slots taken from an older in-transit task (which
     /// skips them when it writes) and rows a pending read captured (to keep aside). Refused as
@@ -273,21 +299,24 @@ impl Ledger {
         let runs = split_runs(slots, self.num_slots)?;
         check_unique(&mut self.seen, &runs, slots)?;
         let mut out = ClaimOutcome::default();
+        let version = self.take_version();
         let (cols, handles) = (&mut self.keys[key.0 as usize], &self.handles);
         // (a claim by nobody: the owner becomes absent, and an absent slot is nobody's to steal)
         for &run in &runs {
-            if run.len < SHORT_RUN {
-                (run.range())
-                    .for_each(|slot| cols.claim_slot(slot, OWNER_ABSENT, handles, &mut out));
-            } else {
-                cols.claim_run(run, OWNER_ABSENT, handles, &mut out);
-            }
+            cols.claim(run, OWNER_ABSENT, version, handles, &mut out);
         }
         Ok(out)
     }
 
     /// The claim itself, on validated runs.
-    fn claim_runs(&mut self, runs: Vec<Run>, key: KeyId, task: TaskId, out: &mut ClaimOutcome) {
+    fn claim_runs(
+        &mut self,
+        runs: Vec<Run>,
+        key: KeyId,
+        task: TaskId,
+        version: u64,
+        out: &mut ClaimOutcome,
+    ) {
         let handles = &mut self.handles;
         let claims = self.tasks.entry(task).or_insert_with(|| TaskClaims {
             owner: handles.take(task),
@@ -296,11 +325,7 @@ impl Ledger {
         let (me, handles) = (claims.owner, &self.handles);
         let cols = &mut self.keys[key.0 as usize];
         for &run in &runs {
-            if run.len < SHORT_RUN {
-                (run.range()).for_each(|slot| cols.claim_slot(slot, me, handles, out));
-            } else {
-                cols.claim_run(run, me, handles, out);
-            }
+            cols.claim(run, me, version, handles, out);
         }
         claims.append(key, runs);
     }
@@ -316,7 +341,7 @@ impl Ledger {
         self.check_key(key)?;
         let claims = self.task_rows(task)?;
         let me = claims.owner;
-        let owner = &self.keys[key.0 as usize].owner;
+        let cols = &self.keys[key.0 as usize];
         let (mut positions, mut slots) = (Vec::new(), Vec::new());
         let Some(rows) = claims.key(key) else {
             return Ok((positions, slots));
@@ -329,7 +354,7 @@ impl Ledger {
                 for s in run.range().rev() {
                     position -= 1;
                     let (word, bit) = (s / 64, 1u64 << (s % 64));
-                    if owner[s] == me && later[word] & bit == 0 {
+                    if cols.entry(s).owner == me && later[word] & bit == 0 {
                         positions.push(position as i64);
                         slots.push(s as i64);
                     }
@@ -340,18 +365,30 @@ impl Ledger {
             slots.reverse();
         } else {
             let mut position = 0;
-            for &run in &rows.runs {
-                let range = run.range();
+            for piece in rows.runs.iter().flat_map(|&run| cols.pieces(run)) {
+                let range = piece.slots;
                 let len = range.len();
-                let run_owner = &owner[range.clone()];
-                if run_owner.iter().all(|&o| o == me) {
-                    positions.extend((position..position + len).map(|p| p as i64));
-                    slots.extend(range.map(|s| s as i64));
-                } else {
-                    for ((p, s), &o) in (position..).zip(range).zip(run_owner) {
-                        if o == me {
-                            positions.push(p as i64);
-                            slots.push(s as i64);
+                let all_mine = match cols.whole_entry(piece.block) {
+                    Some(e) => Some(e.owner == me),
+                    None => cols
+                        .slot_owners(range.clone())
+                        .iter()
+                        .all(|&o| o == me)
+                        .then_some(true),
+                };
+                match all_mine {
+                    Some(true) => {
+                        positions.extend((position..position + len).map(|p| p as i64));
+                        slots.extend(range.map(|s| s as i64));
+                    }
+                    Some(false) => {}
+                    None => {
+                        let owners = cols.slot_owners(range.clone());
+                        for ((p, s), &o) in (position..).zip(range).zip(owners) {
+                            if o == me {
+                                positions.push(p as i64);
+                                slots.push(s as i64);
+                            }
                         }
                     }
                 }
@@ -374,13 +411,9 @@ impl Ledger {
         let me = claims.owner;
         let mut n = 0;
         for rows in &claims.per_key {
-            let owner = &mut self.keys[rows.key.0 as usize].owner;
+            let cols = &mut self.keys[rows.key.0 as usize];
             for &run in &rows.runs {
-                for o in &mut owner[run.range()] {
-                    let mine = *o == me;
-                    n += usize::from(mine);
-                    *o = if mine { to } else { *o };
-                }
+                n += cols.settle(run, me, to);
             }
         }
         // No slot names the task any more: its handle is free.
@@ -434,15 +467,14 @@ impl Ledger {
         self.check_key(key)?;
         self.check_slots(slots)?;
         let cols = &self.keys[key.0 as usize];
-        let sources = slots
+        let entries: Vec<_> = slots
             .iter()
-            .map(|s| self.handles.source(cols.owner[s.to_i64() as usize]).code())
+            .map(|s| cols.entry(s.to_i64() as usize))
             .collect();
-        let versions = slots
-            .iter()
-            .map(|s| cols.version[s.to_i64() as usize])
+        let sources = (entries.iter())
+            .map(|e| self.handles.source(e.owner).code())
             .collect();
-        Ok((sources, versions))
+        Ok((sources, entries.iter().map(|e| e.version).collect()))
     }
 
     /// Plans a read of `slots` of `key`: per slot its source and version, registered as a
@@ -452,56 +484,58 @@ impl Ledger {
         self.check_key(key)?;
         let runs = split_runs(slots, self.num_slots)?;
         let cols = &mut self.keys[key.0 as usize];
-        let code = |owner| self.handles.source(owner).code();
+        let handles = &self.handles;
+        let code = |owner| handles.source(owner).code();
         let mut sources = Vec::with_capacity(slots.len());
         let mut versions = Vec::with_capacity(slots.len());
         let mut read_runs = Vec::with_capacity(runs.len());
         let mut captured_absent = Vec::new();
         for run in runs {
-            let range = run.range();
-            if run.len < SHORT_RUN {
-                for slot in range {
-                    let (owner, version) = (cols.owner[slot], cols.version[slot]);
-                    if owner == OWNER_ABSENT {
-                        captured_absent.push(sources.len());
+            for piece in cols.pieces(run) {
+                let len = piece.slots.len();
+                let run = Run {
+                    start: piece.slots.start as u32,
+                    len: len as u32,
+                };
+                match cols.read_piece(&piece) {
+                    ReadOf::Block(e) => {
+                        if e.owner == OWNER_ABSENT {
+                            captured_absent.extend(sources.len()..sources.len() + len);
+                        }
+                        sources.extend(std::iter::repeat_n(code(e.owner), len));
+                        versions.extend(std::iter::repeat_n(e.version, len));
+                        read_runs.push(ReadRun {
+                            run,
+                            version: e.version,
+                        });
                     }
-                    sources.push(code(owner));
-                    versions.push(version);
-                    cols.readers[slot] += 1;
-                    let run = Run {
-                        start: slot as u32,
-                        len: 1,
-                    };
-                    read_runs.push(ReadRun { run, version });
+                    ReadOf::Slots(owner, version) => {
+                        // Typically one owner and one version throughout; both checks are
+                        // branch-free folds, which the compiler vectorises.
+                        let (first, v0) = (owner[0], version[0]);
+                        let same_owner = owner.iter().fold(0, |diff, &o| diff | (o ^ first)) == 0;
+                        let same_version = version.iter().fold(0, |diff, &v| diff | (v ^ v0)) == 0;
+                        if same_owner {
+                            if first == OWNER_ABSENT {
+                                captured_absent.extend(sources.len()..sources.len() + len);
+                            }
+                            sources.extend(std::iter::repeat_n(code(first), len));
+                        } else {
+                            let absent = (sources.len()..)
+                                .zip(owner)
+                                .filter(|&(_, &o)| o == OWNER_ABSENT);
+                            captured_absent.extend(absent.map(|(p, _)| p));
+                            sources.extend(owner.iter().map(|&o| code(o)));
+                        }
+                        versions.extend_from_slice(version);
+                        if same_version {
+                            read_runs.push(ReadRun { run, version: v0 });
+                        } else {
+                            push_read_runs(&mut read_runs, run, version);
+                        }
+                    }
                 }
-                continue;
             }
-            let owner = &cols.owner[range.clone()];
-            let version = &cols.version[range.clone()];
-            // Typically one owner and one version throughout; both checks are branch-free
-            // folds, which the compiler vectorises.
-            let (first, v0) = (owner[0], version[0]);
-            let same_owner = owner.iter().fold(0, |diff, &o| diff | (o ^ first)) == 0;
-            let same_version = version.iter().fold(0, |diff, &v| diff | (v ^ v0)) == 0;
-            if same_owner {
-                if first == OWNER_ABSENT {
-                    captured_absent.extend(sources.len()..sources.len() + owner.len());
-                }
-                sources.extend(std::iter::repeat_n(code(first), owner.len()));
-            } else {
-                let absent = (sources.len()..)
-                    .zip(owner)
-                    .filter(|&(_, &o)| o == OWNER_ABSENT);
-                captured_absent.extend(absent.map(|(p, _)| p));
-                sources.extend(owner.iter().map(|&o| code(o)));
-            }
-            versions.extend(version.iter().copied());
-            if same_version {
-                read_runs.push(ReadRun { run, version: v0 });
-            } else {
-                push_read_runs(&mut read_runs, run, version);
-            }
-            cols.readers[range].iter_mut().for_each(|n| *n += 1);
         }
         let read = ReadId(self.next_read);
         self.next_read += 1;
@@ -529,13 +563,26 @@ impl Ledger {
         let mut moved = Vec::new();
         let mut position = 0;
         for rr in &r.runs {
-            for slot in rr.run.range() {
-                let was_absent = captured_absent.next_if_eq(&position).is_some();
-                let vanished = cols.owner[slot] == OWNER_ABSENT && !was_absent;
-                if cols.version[slot] != rr.version || vanished {
-                    moved.push(position as i64);
+            for piece in cols.pieces(rr.run) {
+                let end = position + piece.slots.len();
+                if let Some(e) = cols.whole_entry(piece.block) {
+                    if e.version == rr.version && e.owner != OWNER_ABSENT {
+                        // Nothing moved. (No position here was captured absent: a slot gets a
+                        // row only from a claim, which gives it a new version.)
+                        while captured_absent.next_if(|&p| p < end).is_some() {}
+                        position = end;
+                        continue;
+                    }
                 }
-                position += 1;
+                for slot in piece.slots {
+                    let was_absent = captured_absent.next_if_eq(&position).is_some();
+                    let now = cols.entry(slot);
+                    let vanished = now.owner == OWNER_ABSENT && !was_absent;
+                    if now.version != rr.version || vanished {
+                        moved.push(position as i64);
+                    }
+                    position += 1;
+                }
             }
         }
         Ok(moved)
@@ -549,17 +596,7 @@ impl Ledger {
             .ok_or(Error::UnknownRead { read })?;
         let cols = &mut self.keys[r.key.0 as usize];
         for rr in &r.runs {
-            let range = rr.run.range();
-            let readers = &mut cols.readers[range.clone()];
-            for (n, &version) in readers.iter_mut().zip(&cols.version[range]) {
-                // Still captured at the current version: one reader fewer. (Branch-free,
-                // which the compiler vectorises.)
-                *n = if version == rr.version {
-                    n.saturating_sub(1)
-                } else {
-                    *n
-                };
-            }
+            cols.release(rr.run, rr.version);
         }
         Ok(())
     }
@@ -571,7 +608,7 @@ impl Ledger {
         let cols = &self.keys[key.0 as usize];
         Ok(slots
             .iter()
-            .map(|s| cols.readers[s.to_i64() as usize])
+            .map(|s| cols.entry(s.to_i64() as usize).readers)
             .collect())
     }
 }

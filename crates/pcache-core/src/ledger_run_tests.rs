@@ -11,7 +11,7 @@ fn range(r: std::ops::Range<i64>) -> Vec<i64> {
 
 #[test]
 fn runs_across_bitmap_words_are_checked_and_claimed_slot_by_slot() {
-    let mut l = Ledger::new(200).unwrap();
+    let mut l = Ledger::new(200, 4).unwrap();
     let k = l.add_key();
     // Runs straddling the duplicate bitmap's word boundaries (64, 128).
     let first: Vec<i64> = (60..140).chain(10..20).collect();
@@ -50,8 +50,9 @@ fn runs_across_bitmap_words_are_checked_and_claimed_slot_by_slot() {
     assert_eq!(l.commit(T2).unwrap(), 46);
     let (sources, versions) = l.peek(&range(96..120), k).unwrap();
     assert_eq!(sources, vec![SOURCE_POOL; 24]);
+    // (a version numbers the successful claim that wrote the row: 100..116 the third)
     let want: Vec<u64> = (96..120)
-        .map(|s| 1 + u64::from((100..116).contains(&s)))
+        .map(|s| if (100..116).contains(&s) { 3 } else { 1 })
         .collect();
     assert_eq!(versions, want);
 }
@@ -70,16 +71,17 @@ fn a_read_of_runs_at_mixed_versions_and_owners() {
     sources[12..14].fill(3);
     sources.extend([SOURCE_ABSENT; 2]);
     assert_eq!(plan.sources, sources);
+    // (each claim's number: 0..16 the first, 4..8 the second, 12..14 the third)
     let mut versions = vec![1u64; 16];
     versions[4..8].fill(2);
-    versions[12..14].fill(2);
+    versions[12..14].fill(3);
     versions.extend([0; 2]);
     assert_eq!(plan.versions, versions);
     assert_eq!(l.readers(&slots, k).unwrap(), vec![1; 18]);
     let out = l.claim(&range(6..14), k, TaskId(4)).unwrap();
     assert_eq!(out.stolen_slots, vec![12, 13]);
     assert_eq!(out.preserve_slots, range(6..14));
-    assert_eq!(out.preserve_versions, vec![2, 2, 1, 1, 1, 1, 2, 2]);
+    assert_eq!(out.preserve_versions, vec![2, 2, 1, 1, 1, 1, 3, 3]);
     assert_eq!(out.preserve_from, vec![-1, -1, -1, -1, -1, -1, 3, 3]);
     assert_eq!(l.validate(plan.read).unwrap(), range(6..14));
     assert_eq!(l.abandon(TaskId(3)).unwrap(), 0);
@@ -104,7 +106,7 @@ fn a_task_reclaiming_a_slot_stolen_from_it_owns_only_the_new_row() {
 
 #[test]
 fn scattered_lists_work_like_lists_of_blocks() {
-    let mut l = Ledger::new(4096).unwrap();
+    let mut l = Ledger::new(4096, 4).unwrap();
     let (k, scattered_key) = (l.add_key(), l.add_key());
     // The same slots as blocks, and as one scattered list (blocks in between).
     let blocks: Vec<i64> = (0..8).flat_map(|b| b * 400..b * 400 + 16).collect();
@@ -185,7 +187,8 @@ fn a_long_run_read_starting_at_an_absent_slot_reports_each_slots_owner_and_versi
     sources[4..16].fill(SOURCE_POOL);
     sources[16..20].fill(2);
     let mut versions = vec![0u64; 24];
-    versions[4..20].fill(1);
+    versions[4..16].fill(1);
+    versions[16..20].fill(2);
     assert_eq!(
         (plan.sources.clone(), plan.versions.clone()),
         (sources, versions)
@@ -250,7 +253,8 @@ fn claiming_a_long_run_steals_every_slot_of_an_older_task_even_past_the_first() 
     assert_eq!(l.commit(T2).unwrap(), 8);
     let (sources, versions) = l.peek(&range(0..8), k).unwrap();
     assert_eq!(sources, vec![SOURCE_POOL; 8]);
-    assert_eq!(versions, vec![1, 1, 2, 2, 2, 2, 2, 2]);
+    // (all eight last written by the third claim)
+    assert_eq!(versions, vec![3; 8]);
 }
 
 #[test]
@@ -265,7 +269,7 @@ fn a_chunk_of_slots_is_taken_whole_only_when_every_slot_is_consecutive_and_in_ra
     let repeat_inside: Vec<i64> = (16..24).chain([8, 9, 9, 9, 9, 9, 9, 15]).collect();
     let past_the_end = range(60..68);
     let negative = range(-8..0);
-    let mut small = Ledger::new(8).unwrap();
+    let mut small = Ledger::new(8, 4).unwrap();
     let small_key = small.add_key();
     for (result, want) in [
         (l.claim(&bad_inside, k, T2), out_of_range(100, 4, 64)),

@@ -6,7 +6,7 @@ pub(super) const T1: TaskId = TaskId(1);
 pub(super) const T2: TaskId = TaskId(2);
 
 pub(super) fn ledger_with_key() -> (Ledger, KeyId) {
-    let mut l = Ledger::new(64).unwrap();
+    let mut l = Ledger::new(64, 4).unwrap();
     let k = l.add_key();
     (l, k)
 }
@@ -194,7 +194,7 @@ fn invalidated_rows_are_absent_captured_ones_are_preserved_and_in_transit_ones_s
     let out = l.invalidate(&gone, k).unwrap();
     // The captured rows are reported for preserving, from where they are now.
     assert_eq!(out.preserve_slots, vec![3, 18, 31]);
-    assert_eq!(out.preserve_versions, vec![1, 1, 1]);
+    assert_eq!(out.preserve_versions, vec![1, 1, 2]);
     assert_eq!(out.preserve_from, vec![SOURCE_POOL, SOURCE_POOL, 2]);
     // The in-transit task loses its slots: it writes nothing and commits nothing.
     assert_eq!(
@@ -206,7 +206,7 @@ fn invalidated_rows_are_absent_captured_ones_are_preserved_and_in_transit_ones_s
     // Every slot is absent at a new version; the pending read sees all three move.
     let (sources, versions) = l.peek(&gone, k).unwrap();
     assert!(sources.iter().all(|&s| s == SOURCE_ABSENT));
-    assert!(versions.iter().all(|&v| v == 2));
+    assert!(versions.iter().all(|&v| v == 3)); // (the third successful claim)
     assert_eq!(l.validate(plan.read).unwrap(), vec![0, 1, 2]);
     l.release(plan.read).unwrap();
     // A read planned now finds nothing to serve.
@@ -257,7 +257,10 @@ fn bad_input_is_refused_and_changes_nothing() {
     assert_eq!(l.commit(T1).unwrap_err(), Error::UnknownTask { task: T1 });
     assert_eq!(l.peek(&[1i64, 2, 63], k).unwrap(), before);
     assert_eq!(l.num_tasks(), 0);
-    assert!(matches!(Ledger::new(0), Err(Error::InvalidConfig { .. })));
+    assert!(matches!(
+        Ledger::new(0, 4),
+        Err(Error::InvalidConfig { .. })
+    ));
 }
 
 /// The error for `slot` at `position` of a list, in a ledger of `num_slots` slots.

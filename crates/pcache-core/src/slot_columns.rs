@@ -1,6 +1,8 @@
-//! The ledger's per-key columns (owner, version, pending readers per slot) and the table of
-//! task handles its owner codes name, with the claim of one slot or one run on them.
-//! Private to the crate: [`crate::ledger::Ledger`] is their only user.
+//! The ledger's per-key columns (owner, version, pending readers per slot, summarised per
+//! block) and the table of task handles its owner codes name, with the claim of one slot or
+//! one run on them. Private to the crate: [`crate::ledger::Ledger`] is their only user.
+
+use std::ops::Range;
 
 use crate::ids::TaskId;
 use crate::ledger_outcomes::{ClaimOutcome, Source};
@@ -60,69 +62,337 @@ impl Handles {
     }
 }
 
-/// Per-key columns, one entry per slot (struct of arrays: the per-run loops read and write
-/// each column as one contiguous range).
+/// One slot's entry: owner code, version and pending readers at that version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Entry {
+    pub(crate) owner: u32,
+    pub(crate) version: u64,
+    pub(crate) readers: u32,
+}
+
+/// The part of a run inside one block: `slots`, and whether they are the whole block.
+#[derive(Debug, Clone)]
+pub(crate) struct Piece {
+    pub(crate) block: usize,
+    pub(crate) slots: Range<usize>,
+    pub(crate) whole: bool,
+}
+
+/// Per-key columns: one entry per slot (struct of arrays: the per-run loops read and write
+/// each column as one contiguous range), and a summary per block of the engine's KV block
+/// size. While a block is *whole*, every slot of it has the block's entry and its per-slot
+/// entries are stale: a claim, commit, read or release of the whole block is one update
+/// there instead of one per slot. A block becomes whole when one claim takes all of it, and
+/// stops being whole (its entry is written to its slots) when a call touches only part of
+/// it. A block that ends past the last slot is never whole.
 #[derive(Debug, Clone)]
 pub(crate) struct KeyColumns {
     /// Owner codes (`OWNER_*`).
-    pub(crate) owner: Vec<u32>,
-    pub(crate) version: Vec<u64>,
+    owner: Vec<u32>,
+    version: Vec<u64>,
     /// Pending reads that captured this slot at its *current* version.
-    pub(crate) readers: Vec<u32>,
+    readers: Vec<u32>,
+    /// One bit per block: whether it is whole (small enough to stay in the L1 cache).
+    whole: Vec<u64>,
+    /// Per block: its entry, meaningful while it is whole.
+    blocks: Vec<Entry>,
+    block_size: usize,
+    /// `log2(block_size)` when it is a power of two (a shift instead of a division).
+    block_shift: Option<u32>,
 }
 
 impl KeyColumns {
-    /// Claims one slot for owner `me`: reports it in `out` if it is stolen or must be
-    /// preserved, bumps its version and takes it over.
-    #[inline]
-    pub(crate) fn claim_slot(
-        &mut self,
-        slot: usize,
-        me: u32,
-        handles: &Handles,
-        out: &mut ClaimOutcome,
-    ) {
-        let owner = self.owner[slot];
-        let other_task = owner >= OWNER_TASK_BASE && owner != me;
-        if other_task {
-            out.stolen_slots.push(slot as i64);
-            out.stolen_from.push(handles.task(owner).0 as i64);
+    /// Columns for `num_slots` slots in blocks of `block_size` (`>= 1`): every slot absent
+    /// at version 0.
+    pub(crate) fn new(num_slots: usize, block_size: usize) -> Self {
+        let absent = Entry {
+            owner: OWNER_ABSENT,
+            version: 0,
+            readers: 0,
+        };
+        let num_blocks = num_slots.div_ceil(block_size);
+        let mut whole = vec![0u64; num_blocks.div_ceil(64)];
+        for b in 0..num_slots / block_size {
+            whole[b / 64] |= 1 << (b % 64);
         }
-        if self.readers[slot] > 0 && (owner == OWNER_POOL || other_task) {
-            out.preserve_slots.push(slot as i64);
-            out.preserve_versions.push(self.version[slot]);
-            out.preserve_from.push(handles.source(owner).code());
+        Self {
+            owner: vec![OWNER_ABSENT; num_slots],
+            version: vec![0; num_slots],
+            readers: vec![0; num_slots],
+            whole,
+            blocks: vec![absent; num_blocks],
+            block_size,
+            block_shift: block_size
+                .is_power_of_two()
+                .then(|| block_size.trailing_zeros()),
         }
-        self.version[slot] += 1;
-        self.readers[slot] = 0;
-        self.owner[slot] = me;
     }
 
-    /// Claims a run for owner `me`, as [`KeyColumns::claim_slot`] on each of its slots.
-    pub(crate) fn claim_run(
+    fn block_of(&self, slot: usize) -> usize {
+        match self.block_shift {
+            Some(shift) => slot >> shift,
+            None => slot / self.block_size,
+        }
+    }
+
+    /// The pieces of `run`, block by block, in slot order (one division per run).
+    pub(crate) fn pieces(&self, run: Run) -> impl Iterator<Item = Piece> {
+        let (mut lo, hi) = (run.start as usize, run.start as usize + run.len as usize);
+        let (size, num_slots) = (self.block_size, self.owner.len());
+        let mut block = self.block_of(lo);
+        std::iter::from_fn(move || {
+            (lo < hi).then(|| {
+                let (block_start, block_end) = (block * size, (block + 1) * size);
+                let end = hi.min(block_end);
+                let piece = Piece {
+                    block,
+                    slots: lo..end,
+                    whole: lo == block_start && end == block_end && block_end <= num_slots,
+                };
+                (lo, block) = (end, block + 1);
+                piece
+            })
+        })
+    }
+
+    fn is_whole(&self, block: usize) -> bool {
+        self.whole[block / 64] & (1 << (block % 64)) != 0
+    }
+
+    /// Makes `block` whole with every slot at `entry`.
+    fn make_whole(&mut self, block: usize, entry: Entry) {
+        self.whole[block / 64] |= 1 << (block % 64);
+        self.blocks[block] = entry;
+    }
+
+    /// The entry of `block` if it is whole.
+    pub(crate) fn whole_entry(&self, block: usize) -> Option<Entry> {
+        self.is_whole(block).then(|| self.blocks[block])
+    }
+
+    /// The entry of one slot.
+    pub(crate) fn entry(&self, slot: usize) -> Entry {
+        self.whole_entry(self.block_of(slot)).unwrap_or(Entry {
+            owner: self.owner[slot],
+            version: self.version[slot],
+            readers: self.readers[slot],
+        })
+    }
+
+    /// Makes `block` per-slot: its summary is written to its slots.
+    fn split(&mut self, block: usize) {
+        if self.is_whole(block) {
+            self.whole[block / 64] &= !(1 << (block % 64));
+            let (e, start) = (self.blocks[block], block * self.block_size);
+            let range = start..start + self.block_size;
+            self.owner[range.clone()].fill(e.owner);
+            self.version[range.clone()].fill(e.version);
+            self.readers[range].fill(e.readers);
+        }
+    }
+
+    /// Per-slot columns of a piece, its block made per-slot first.
+    pub(crate) fn slots_of(&mut self, piece: &Piece) -> (&mut [u32], &mut [u64], &mut [u32]) {
+        self.split(piece.block);
+        let r = piece.slots.clone();
+        (
+            &mut self.owner[r.clone()],
+            &mut self.version[r.clone()],
+            &mut self.readers[r],
+        )
+    }
+
+    /// The per-slot owners of `slots` (stale where their block is whole).
+    pub(crate) fn slot_owners(&self, slots: Range<usize>) -> &[u32] {
+        &self.owner[slots]
+    }
+
+    /// Per-slot columns of a piece of a block that is not whole, read-only.
+    fn slot_columns(&self, slots: Range<usize>) -> (&[u32], &[u64], &[u32]) {
+        (
+            &self.owner[slots.clone()],
+            &self.version[slots.clone()],
+            &self.readers[slots],
+        )
+    }
+
+    /// Claims `run` for owner `me` at `version` (a version no claim gave these slots
+    /// before): reports every slot that is stolen (held by another in-transit task) or must
+    /// be preserved (a pending read captured it, and its row is committed or another task's)
+    /// in `out`, in slot order, then takes them over.
+    pub(crate) fn claim(
         &mut self,
         run: Run,
         me: u32,
+        version: u64,
         handles: &Handles,
         out: &mut ClaimOutcome,
     ) {
-        let range = run.range();
-        let owner = &mut self.owner[range.clone()];
-        let version = &mut self.version[range.clone()];
-        let readers = &mut self.readers[range.clone()];
-        // Typically nothing is reported: one owner throughout (nobody, the pool or this
-        // task) and no pending reader. Both folds are plain bit operations, which the
-        // compiler vectorises.
-        let first = owner[0];
-        let uniform = owner.iter().fold(0, |diff, &o| diff | (o ^ first)) == 0;
-        let other_task = first >= OWNER_TASK_BASE && first != me;
-        let read = readers.iter().fold(0, |any, &n| any | n) != 0;
-        if uniform && !other_task && !read {
-            version.iter_mut().for_each(|v| *v += 1);
-            readers.fill(0);
-            owner.fill(me);
-        } else {
-            range.for_each(|slot| self.claim_slot(slot, me, handles, out));
+        let mine = Entry {
+            owner: me,
+            version,
+            readers: 0,
+        };
+        for piece in self.pieces(run) {
+            if piece.whole {
+                match self.whole_entry(piece.block) {
+                    Some(before) => report_block(piece.slots.clone(), before, me, handles, out),
+                    None => {
+                        let (owner, version, readers) = self.slot_columns(piece.slots.clone());
+                        report_slots(piece.slots.start, owner, version, readers, me, handles, out);
+                    }
+                }
+                self.make_whole(piece.block, mine);
+            } else {
+                let first = piece.slots.start;
+                let (owner, versions, readers) = self.slots_of(&piece);
+                report_slots(first, owner, versions, readers, me, handles, out);
+                owner.fill(me);
+                versions.fill(version);
+                readers.fill(0);
+            }
         }
+    }
+
+    /// Sets every slot of `run` that `me` owns to owner `to`; returns how many.
+    pub(crate) fn settle(&mut self, run: Run, me: u32, to: u32) -> usize {
+        let mut n = 0;
+        for piece in self.pieces(run) {
+            match self.whole_entry(piece.block) {
+                Some(e) if e.owner != me => {}
+                Some(_) if piece.whole => {
+                    self.blocks[piece.block].owner = to;
+                    n += piece.slots.len();
+                }
+                _ => {
+                    for o in self.slots_of(&piece).0 {
+                        let mine = *o == me;
+                        n += usize::from(mine);
+                        *o = if mine { to } else { *o };
+                    }
+                }
+            }
+        }
+        n
+    }
+
+    /// Registers one more pending read of `piece`'s slots at their current versions and
+    /// returns their entries (before the registration): one for a whole block, else one per
+    /// slot (`None`: read them from the returned per-slot columns).
+    pub(crate) fn read_piece(&mut self, piece: &Piece) -> ReadOf<'_> {
+        match self.whole_entry(piece.block) {
+            Some(e) if piece.whole => {
+                self.blocks[piece.block].readers += 1;
+                ReadOf::Block(e)
+            }
+            _ => {
+                let (owner, version, readers) = self.slots_of(piece);
+                readers.iter_mut().for_each(|n| *n += 1);
+                ReadOf::Slots(owner, version)
+            }
+        }
+    }
+
+    /// One pending read of `run`, captured at `version`, is released: each slot still at that
+    /// version has one reader fewer.
+    pub(crate) fn release(&mut self, run: Run, version: u64) {
+        for piece in self.pieces(run) {
+            match self.whole_entry(piece.block) {
+                // (A claim since gave the block a new version: it holds no reader of this read.)
+                Some(e) if e.version != version => {}
+                Some(_) if piece.whole => {
+                    let readers = &mut self.blocks[piece.block].readers;
+                    *readers = readers.saturating_sub(1);
+                }
+                _ => {
+                    let (_, versions, readers) = self.slots_of(&piece);
+                    for (n, &v) in readers.iter_mut().zip(versions.iter()) {
+                        // Branch-free, which the compiler vectorises.
+                        *n = if v == version {
+                            n.saturating_sub(1)
+                        } else {
+                            *n
+                        };
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// What [`KeyColumns::read_piece`] found: one entry for a whole block, or the piece's owner
+/// and version columns.
+pub(crate) enum ReadOf<'a> {
+    Block(Entry),
+    Slots(&'a [u32], &'a [u64]),
+}
+
+/// Reports the claim of a whole block whose slots all have entry `before` by owner `me`.
+#[inline(always)]
+fn report_block(
+    slots: Range<usize>,
+    before: Entry,
+    me: u32,
+    handles: &Handles,
+    out: &mut ClaimOutcome,
+) {
+    let other_task = before.owner >= OWNER_TASK_BASE && before.owner != me;
+    // (Typically neither: nothing to report.)
+    if other_task || (before.readers > 0 && before.owner == OWNER_POOL) {
+        report_taken(slots, before, other_task, handles, out);
+    }
+}
+
+/// [`report_block`]'s reporting, out of line.
+#[cold]
+fn report_taken(
+    slots: Range<usize>,
+    before: Entry,
+    other_task: bool,
+    handles: &Handles,
+    out: &mut ClaimOutcome,
+) {
+    if other_task {
+        let from = handles.task(before.owner).0 as i64;
+        out.stolen_slots.extend(slots.clone().map(|s| s as i64));
+        out.stolen_from
+            .extend(std::iter::repeat_n(from, slots.len()));
+    }
+    if before.readers > 0 && (before.owner == OWNER_POOL || other_task) {
+        let from = handles.source(before.owner).code();
+        out.preserve_versions
+            .extend(std::iter::repeat_n(before.version, slots.len()));
+        out.preserve_from
+            .extend(std::iter::repeat_n(from, slots.len()));
+        out.preserve_slots.extend(slots.map(|s| s as i64));
+    }
+}
+
+/// Reports the claim by owner `me` of the slots `first..` with these per-slot columns.
+fn report_slots(
+    first: usize,
+    owner: &[u32],
+    version: &[u64],
+    readers: &[u32],
+    me: u32,
+    handles: &Handles,
+    out: &mut ClaimOutcome,
+) {
+    // Typically nothing is reported: one owner throughout (nobody, the pool or this task)
+    // and no pending reader. Both folds are plain bit operations, which the compiler
+    // vectorises.
+    let Some(&o0) = owner.first() else { return };
+    let uniform = owner.iter().fold(0, |diff, &o| diff | (o ^ o0)) == 0;
+    let read = readers.iter().fold(0, |any, &n| any | n) != 0;
+    if uniform && !read && !(o0 >= OWNER_TASK_BASE && o0 != me) {
+        return;
+    }
+    for (i, (&o, &n)) in owner.iter().zip(readers).enumerate() {
+        let before = Entry {
+            owner: o,
+            version: version[i],
+            readers: n,
+        };
+        report_block(first + i..first + i + 1, before, me, handles, out);
     }
 }

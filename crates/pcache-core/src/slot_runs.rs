@@ -42,10 +42,6 @@ impl Run {
     }
 }
 
-/// Runs shorter than this are handled slot by slot: for them, setting up the per-run loops
-/// costs more than it saves.
-pub(crate) const SHORT_RUN: u32 = 4;
-
 /// Collects slot ids, in order, into maximal runs of consecutive ids.
 #[derive(Default)]
 pub(crate) struct RunBuilder {
@@ -80,7 +76,9 @@ impl RunBuilder {
     }
 }
 
-/// Slots checked at once by [`blocks_to_runs`]'s fast path.
+/// Slots checked at once by [`blocks_to_runs`]'s fast path: a wide chunk first (a block of
+/// 16 or more slots in one check), then a narrow one.
+pub(crate) const WIDE_CHUNK: usize = 16;
 pub(crate) const CHUNK: usize = 8;
 
 /// Slots [`split_runs`] looks at to tell a list of blocks from a scattered one.
@@ -130,27 +128,39 @@ pub(crate) fn slots_to_runs<S: RawSlot>(slots: &[S], num_slots: u32) -> Result<V
     Ok(slots.iter().map(run).collect())
 }
 
-/// [`split_runs`] for a list of blocks: maximal runs. A chunk of [`CHUNK`] consecutive
-/// in-range ids is taken whole, with branch-free checks; anything else (a run boundary, a
-/// bad id) goes one slot at a time.
+/// The first id of `slots[position..position + N]` if those `N` ids are consecutive and in
+/// `[0, num_slots)` (branch-free checks over a fixed length, which the compiler unrolls).
+#[inline(always)]
+fn consecutive<S: RawSlot, const N: usize>(
+    slots: &[S],
+    position: usize,
+    num_slots: u32,
+) -> Option<u32> {
+    let chunk: &[S; N] = slots.get(position..position + N)?.try_into().ok()?;
+    let first = chunk[0].to_i64();
+    let in_range = 0 <= first && first <= i64::from(num_slots) - N as i64;
+    let steps = (chunk.iter().zip(0..)).fold(0, |diff, (s, k)| {
+        diff | (s.to_i64().wrapping_sub(first) ^ k)
+    });
+    (in_range && steps == 0).then_some(first as u32)
+}
+
+/// [`split_runs`] for a list of blocks: maximal runs. A chunk of [`WIDE_CHUNK`] or [`CHUNK`]
+/// consecutive in-range ids is taken whole; anything else (a run boundary, a bad id) goes
+/// one slot at a time.
 pub(crate) fn blocks_to_runs<S: RawSlot>(slots: &[S], num_slots: u32) -> Result<Vec<Run>> {
     let mut runs = RunBuilder::default();
     let mut position = 0;
     while position < slots.len() {
-        if let Some(chunk) = slots.get(position..position + CHUNK) {
-            let first = chunk[0].to_i64();
-            let last = chunk[CHUNK - 1].to_i64();
-            let in_range = 0 <= first && first <= i64::from(num_slots) - CHUNK as i64;
-            if in_range && last.wrapping_sub(first) == CHUNK as i64 - 1 {
-                let steps = (chunk.iter().zip(0..)).fold(0, |diff, (s, k)| {
-                    diff | (s.to_i64().wrapping_sub(first) ^ k)
-                });
-                if steps == 0 {
-                    runs.add(first as u32, CHUNK as u32);
-                    position += CHUNK;
-                    continue;
-                }
-            }
+        if let Some(first) = consecutive::<S, WIDE_CHUNK>(slots, position, num_slots) {
+            runs.add(first, WIDE_CHUNK as u32);
+            position += WIDE_CHUNK;
+            continue;
+        }
+        if let Some(first) = consecutive::<S, CHUNK>(slots, position, num_slots) {
+            runs.add(first, CHUNK as u32);
+            position += CHUNK;
+            continue;
         }
         let slot = slots[position].to_i64();
         // A negative id wraps to a huge unsigned one: one comparison covers both ends.

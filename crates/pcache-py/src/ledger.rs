@@ -108,11 +108,14 @@ fn claiming_task(task_id: u64) -> PyResult<TaskId> {
 
 #[pymethods]
 impl Ledger {
-    /// A ledger of `num_slots` slots (`num_blocks * block_size`); zero raises `ConfigError`.
+    /// A ledger of `num_slots` slots (`num_blocks * block_size`) in blocks of the engine's
+    /// KV `block_size` (whole blocks are summarised: faster, same results); zero slots or a
+    /// zero block size raise `ConfigError`.
     #[new]
-    fn new(num_slots: u32) -> PyResult<Self> {
+    #[pyo3(signature = (num_slots, block_size = 16))]
+    fn new(num_slots: u32, block_size: u32) -> PyResult<Self> {
         Ok(Self {
-            inner: Mutex::new(pcache_core::Ledger::new(num_slots).py_err()?),
+            inner: Mutex::new(pcache_core::Ledger::new(num_slots, block_size).py_err()?),
         })
     }
 
@@ -140,7 +143,7 @@ impl Ledger {
     }
 
     /// The rows of `slots` on key `key_id` are gone and nothing replaces them (a step that did
-    /// not give the key): versions bumped, slots absent; the outcome is a claim's (stolen
+    /// not give the key): a new version, slots absent; the outcome is a claim's (stolen
     /// slots, captured rows to keep aside). Refused as a whole.
     fn invalidate(
         &self,
@@ -316,6 +319,12 @@ impl Ledger {
         self.inner.lock().num_tasks()
     }
 
+    /// The block size whole blocks are summarised at.
+    #[getter]
+    fn block_size(&self) -> u32 {
+        self.inner.lock().block_size()
+    }
+
     /// Reads planned and not released.
     #[getter]
     fn num_pending_reads(&self) -> usize {
@@ -325,8 +334,9 @@ impl Ledger {
     fn __repr__(&self) -> String {
         let l = self.inner.lock();
         format!(
-            "Ledger(num_slots={}, num_keys={}, tasks={}, pending_reads={})",
+            "Ledger(num_slots={}, block_size={}, num_keys={}, tasks={}, pending_reads={})",
             l.num_slots(),
+            l.block_size(),
             l.num_keys(),
             l.num_tasks(),
             l.num_pending_reads()

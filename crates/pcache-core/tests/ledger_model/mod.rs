@@ -1,5 +1,6 @@
-//! The reference model `prop_ledger` checks [`pcache_core::Ledger`] against: per (key, slot)
-//! the owner and version, per task its claimed rows in order with the version each claim
+//! The reference model `prop_ledger` checks [`pcache_core::Ledger`] against, slot by slot
+//! (no blocks): per (key, slot) the owner and version (the number of the successful claim or
+//! invalidation that last took it: 1, 2, ...), per task its claimed rows in order with the version each claim
 //! assigned, per pending read the slots, captured versions and captured owners. A slot's
 //! readers are *derived* (pending read positions that captured it at its current version), so
 //! the ledger's incremental counters are checked against an independent definition.
@@ -59,6 +60,8 @@ pub struct Model {
     pub tasks: HashMap<u64, Vec<ClaimedRow>>,
     pub reads: HashMap<u64, PendingRead>,
     pub next_read: u64,
+    /// Successful claims and invalidations so far.
+    pub claims: u64,
 }
 
 impl Model {
@@ -130,6 +133,8 @@ impl Model {
         }
         let mut out = ClaimOutcome::default();
         let mut rows = Vec::new();
+        self.claims += 1;
+        let version = self.claims;
         for &slot in &slots {
             let before = self.cell(key, slot);
             let from = match before.owner {
@@ -146,7 +151,6 @@ impl Model {
                 out.preserve_versions.push(before.version);
                 out.preserve_from.push(from);
             }
-            let version = before.version + 1;
             *self.cell_mut(key, slot) = Cell { owner, version };
             rows.push(ClaimedRow { key, slot, version });
         }
