@@ -321,7 +321,8 @@ class NativeMachine(RuleBasedStateMachine):
             versions.append(version)
             self.m_ledger.readers[(slot, key)] = readers + 1
         assert plan.sources.tolist() == owners
-        assert plan.versions.tolist() == versions
+        assert self.ledger.captured_versions(plan.read_id).tolist() == versions
+        assert len(plan) == len(slots)
         self.m_reads[plan.read_id] = ReadModel(key, slots, versions, owners)
         return plan.read_id
 

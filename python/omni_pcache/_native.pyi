@@ -71,14 +71,15 @@ class ReadPlan:
 
     read_id: int
     sources: IndexArray
-    """Per slot: SOURCE_ABSENT, SOURCE_POOL or the id of the in-transit task."""
-    versions: npt.NDArray[np.uint64]
+    """Per slot: SOURCE_ABSENT, SOURCE_POOL or the id of the in-transit task (built at each
+    access: a read served from the pool alone keeps nothing per slot)."""
     num_absent: int
     """Slots never written."""
     num_from_pool: int
     """Slots committed in the pool."""
     tasks: list[int]
     """The in-transit task ids among ``sources``, ascending, each once."""
+    def __len__(self) -> int: ...
 
 class Ledger:
     """Per (slot, key) occupancy and versions, pending reads, copy-on-write lists. Any thread."""
@@ -109,6 +110,8 @@ class Ledger:
     def peek(self, slots: IndexLike, key_id: int) -> tuple[IndexArray, npt.NDArray[np.uint64]]: ...
     def plan_read(self, slots: IndexLike, key_id: int) -> ReadPlan: ...
     def validate(self, read_id: int) -> IndexArray: ...
+    def captured_versions(self, read_id: int) -> npt.NDArray[np.uint64]:
+        """The version each position of a pending read captured, in its slot order."""
     def release(self, read_id: int) -> None: ...
     def readers(self, slots: IndexLike, key_id: int) -> IndexArray: ...
 

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from omni_pcache._native import SOURCE_ABSENT, SOURCE_POOL, Ledger
+from omni_pcache._native import SOURCE_ABSENT, SOURCE_POOL, Ledger, ReadPlan
 from omni_pcache.errors import UnservableHitError
 from omni_pcache.keys import KeySpec
 from omni_pcache.pool import HostPool
@@ -38,8 +38,7 @@ class KeyRead:
     spec: KeySpec
     read_id: int
     slots: np.ndarray
-    sources: np.ndarray
-    versions: np.ndarray
+    plan: ReadPlan  # `plan.sources` per slot, built when asked (only where some row is not in the pool)
     num_absent: int
     num_from_pool: int
     tasks: list[int]  # in-transit source tasks, each once
@@ -91,12 +90,7 @@ class HitReader:
         reads = []
         for spec in specs:
             plan = self._ledger.plan_read(slots, spec.key_id)
-            reads.append(
-                KeyRead(
-                    spec, plan.read_id, slots, plan.sources, plan.versions,
-                    plan.num_absent, plan.num_from_pool, plan.tasks,
-                )
-            )  # fmt: skip
+            reads.append(KeyRead(spec, plan.read_id, slots, plan, plan.num_absent, plan.num_from_pool, plan.tasks))
         return HitRead(req_id, int(slots.size), reads)
 
     def release(self, hit: HitRead) -> None:
@@ -115,7 +109,7 @@ class HitReader:
         deadline = time.monotonic() + timeout_s
         for read in hit.keys:
             if read.num_absent:
-                absent = np.flatnonzero(read.sources == SOURCE_ABSENT)
+                absent = np.flatnonzero(read.plan.sources == SOURCE_ABSENT)
                 raise UnservableHitError(
                     f"request {hit.req_id!r} (step {step_id}) hits {hit.num_rows} rows of "
                     f"{read.spec.name!r}, but {absent.size} were never written (first positions "
@@ -134,8 +128,9 @@ class HitReader:
         for read in hit.keys:
             dest = None if into is None else into.get(read.spec.name)
             rows = self._pool.read(read.spec.name, torch.from_numpy(read.slots), out=dest)
+            sources = read.plan.sources if clones else None
             for task_id, record in clones.items():
-                at = np.flatnonzero(read.sources == task_id)
+                at = np.flatnonzero(sources == task_id)
                 if at.size:
                     positions = record.position_of(read.slots[at].tolist())
                     rows[torch.from_numpy(at)] = record.rows(read.spec, positions)
@@ -147,7 +142,7 @@ class HitReader:
                 with self._cond:
                     moved = self._ledger.validate(read.read_id)
                     slots = read.slots[moved].tolist()
-                    versions = read.versions[moved].tolist()
+                    versions = self._ledger.captured_versions(read.read_id)[moved].tolist()
                     lost = [
                         (s, v)
                         for s, v in zip(slots, versions, strict=True)
@@ -168,7 +163,7 @@ class HitReader:
                 rows[torch.from_numpy(moved)] = torch.stack(kept)
                 preserved += int(moved.size)
             if moved.size:
-                kept_sources = np.delete(read.sources, moved)
+                kept_sources = np.delete(read.plan.sources, moved)
                 in_flight_rows += int(np.count_nonzero(kept_sources >= 0))
                 from_pool += int(np.count_nonzero(kept_sources == SOURCE_POOL))
             else:

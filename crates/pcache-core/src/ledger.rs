@@ -75,6 +75,56 @@ fn push_read_runs(out: &mut Vec<ReadRun>, run: Run, version: &[u64]) {
     }
 }
 
+/// The per-slot sources of a read being planned: none kept while every row so far is in the
+/// pool (the usual hit), so such a read writes nothing per slot.
+struct Sources {
+    codes: Vec<i64>,
+    /// Slots added so far.
+    len: usize,
+    all_pool: bool,
+    capacity: usize,
+}
+
+impl Sources {
+    fn new(capacity: usize) -> Self {
+        Self {
+            codes: Vec::new(),
+            len: 0,
+            all_pool: true,
+            capacity,
+        }
+    }
+
+    /// From the first row not in the pool on, every slot's code is kept.
+    fn keep_codes(&mut self) {
+        if self.all_pool {
+            self.all_pool = false;
+            self.codes.reserve(self.capacity);
+            self.codes.resize(self.len, SOURCE_POOL);
+        }
+    }
+
+    /// `n` slots with source `code`.
+    fn push_same(&mut self, code: i64, n: usize) {
+        if !(self.all_pool && code == SOURCE_POOL) {
+            self.keep_codes();
+            self.codes.extend(std::iter::repeat_n(code, n));
+        }
+        self.len += n;
+    }
+
+    /// Slots with these sources, not all in the pool.
+    fn push_each(&mut self, codes: impl ExactSizeIterator<Item = i64>) {
+        self.keep_codes();
+        self.len += codes.len();
+        self.codes.extend(codes);
+    }
+
+    fn finish(self) -> Option<Vec<i64>> {
+        (!self.all_pool).then_some(self.codes)
+    }
+}
+
 /// One task's claims on one key: the claimed slots in row order.
 ///
 /// A row still belongs to the task iff the slot's owner is the task and the row is the
@@ -477,22 +527,22 @@ impl Ledger {
         Ok((sources, entries.iter().map(|e| e.version).collect()))
     }
 
-    /// Plans a read of `slots` of `key`: per slot its source and version, registered as a
-    /// pending read until [`Ledger::release`]. A later claim of a committed slot still at the
-    /// captured version reports it in `preserve_slots`. The same slot may appear twice.
+    /// Plans a read of `slots` of `key`: per slot its source (see [`ReadPlan`]), registered
+    /// with the versions it captured as a pending read until [`Ledger::release`]. A later
+    /// claim of a committed slot still at the captured version reports it in
+    /// `preserve_slots`. The same slot may appear twice.
     pub fn plan_read<S: RawSlot>(&mut self, slots: &[S], key: KeyId) -> Result<ReadPlan> {
         self.check_key(key)?;
         let runs = split_runs(slots, self.num_slots)?;
         let cols = &mut self.keys[key.0 as usize];
         let handles = &self.handles;
         let code = |owner| handles.source(owner).code();
-        let mut sources = Vec::with_capacity(slots.len());
-        let mut versions = Vec::with_capacity(slots.len());
+        let mut sources = Sources::new(slots.len());
         let mut read_runs = Vec::with_capacity(runs.len());
         let mut captured_absent = Vec::new();
         for run in runs {
             for piece in cols.pieces(run) {
-                let len = piece.slots.len();
+                let (len, position) = (piece.slots.len(), sources.len);
                 let run = Run {
                     start: piece.slots.start as u32,
                     len: len as u32,
@@ -500,10 +550,9 @@ impl Ledger {
                 match cols.read_piece(&piece) {
                     ReadOf::Block(e) => {
                         if e.owner == OWNER_ABSENT {
-                            captured_absent.extend(sources.len()..sources.len() + len);
+                            captured_absent.extend(position..position + len);
                         }
-                        sources.extend(std::iter::repeat_n(code(e.owner), len));
-                        versions.extend(std::iter::repeat_n(e.version, len));
+                        sources.push_same(code(e.owner), len);
                         read_runs.push(ReadRun {
                             run,
                             version: e.version,
@@ -517,17 +566,15 @@ impl Ledger {
                         let same_version = version.iter().fold(0, |diff, &v| diff | (v ^ v0)) == 0;
                         if same_owner {
                             if first == OWNER_ABSENT {
-                                captured_absent.extend(sources.len()..sources.len() + len);
+                                captured_absent.extend(position..position + len);
                             }
-                            sources.extend(std::iter::repeat_n(code(first), len));
+                            sources.push_same(code(first), len);
                         } else {
-                            let absent = (sources.len()..)
-                                .zip(owner)
-                                .filter(|&(_, &o)| o == OWNER_ABSENT);
+                            let absent =
+                                (position..).zip(owner).filter(|&(_, &o)| o == OWNER_ABSENT);
                             captured_absent.extend(absent.map(|(p, _)| p));
-                            sources.extend(owner.iter().map(|&o| code(o)));
+                            sources.push_each(owner.iter().map(|&o| code(o)));
                         }
-                        versions.extend_from_slice(version);
                         if same_version {
                             read_runs.push(ReadRun { run, version: v0 });
                         } else {
@@ -549,9 +596,19 @@ impl Ledger {
         );
         Ok(ReadPlan {
             read,
-            sources,
-            versions,
+            len: sources.len,
+            sources: sources.finish(),
         })
+    }
+
+    /// The version each position of a pending read captured, in the read's slot order (what a
+    /// row kept aside for it is keyed by).
+    pub fn captured_versions(&self, read: ReadId) -> Result<Vec<u64>> {
+        let r = self.reads.get(&read).ok_or(Error::UnknownRead { read })?;
+        let runs = r.runs.iter();
+        Ok(runs
+            .flat_map(|rr| std::iter::repeat_n(rr.version, rr.run.len as usize))
+            .collect())
     }
 
     /// Positions (in the read's slot order) whose row moved since the read was planned: the

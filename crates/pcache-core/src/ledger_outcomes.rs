@@ -56,15 +56,17 @@ pub struct ClaimOutcome {
     pub preserve_from: Vec<i64>,
 }
 
-/// A registered pending read: per slot, where the row was and its captured version.
+/// A registered pending read: per slot, where the row was. (The versions it captured stay in
+/// the ledger: `Ledger::captured_versions`.)
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReadPlan {
     /// The read's id; release it when the rows have been served.
     pub read: ReadId,
-    /// Per slot: [`SOURCE_ABSENT`], [`SOURCE_POOL`] or the id of the in-transit task.
-    pub sources: Vec<i64>,
-    /// Per slot: the version captured.
-    pub versions: Vec<u64>,
+    /// Slots read.
+    pub len: usize,
+    /// Per slot: [`SOURCE_ABSENT`], [`SOURCE_POOL`] or the id of the in-transit task; `None`
+    /// when every row is in the pool (the usual hit), which needs nothing per slot.
+    pub sources: Option<Vec<i64>>,
 }
 
 /// `Some(first)` when `positions` are exactly `first, first + 1, ..` (a gather of them is a
@@ -78,21 +80,35 @@ pub fn contiguous_from(positions: &[i64]) -> Option<i64> {
 }
 
 impl ReadPlan {
+    /// Per slot: [`SOURCE_ABSENT`], [`SOURCE_POOL`] or the id of the in-transit task.
+    pub fn source_codes(&self) -> Vec<i64> {
+        match &self.sources {
+            Some(sources) => sources.clone(),
+            None => vec![SOURCE_POOL; self.len],
+        }
+    }
+
+    fn count(&self, code: i64) -> usize {
+        let sources = self.sources.iter().flatten();
+        sources.filter(|&&s| s == code).count()
+    }
+
     /// Slots never written (a read of them cannot be served).
     pub fn num_absent(&self) -> usize {
-        self.sources.iter().filter(|&&s| s == SOURCE_ABSENT).count()
+        self.count(SOURCE_ABSENT)
     }
 
     /// Slots whose rows are committed in the pool.
     pub fn num_from_pool(&self) -> usize {
-        self.sources.iter().filter(|&&s| s == SOURCE_POOL).count()
+        match self.sources {
+            Some(_) => self.count(SOURCE_POOL),
+            None => self.len,
+        }
     }
 
     /// The in-transit tasks the read waits for, ascending, each once.
     pub fn tasks(&self) -> Vec<TaskId> {
-        let mut tasks: Vec<u64> = self
-            .sources
-            .iter()
+        let mut tasks: Vec<u64> = (self.sources.iter().flatten())
             .filter(|&&s| s >= 0)
             .map(|&s| s as u64)
             .collect();

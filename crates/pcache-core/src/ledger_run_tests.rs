@@ -70,13 +70,13 @@ fn a_read_of_runs_at_mixed_versions_and_owners() {
     let mut sources = vec![SOURCE_POOL; 16];
     sources[12..14].fill(3);
     sources.extend([SOURCE_ABSENT; 2]);
-    assert_eq!(plan.sources, sources);
+    assert_eq!(plan.sources, Some(sources));
     // (each claim's number: 0..16 the first, 4..8 the second, 12..14 the third)
     let mut versions = vec![1u64; 16];
     versions[4..8].fill(2);
     versions[12..14].fill(3);
     versions.extend([0; 2]);
-    assert_eq!(plan.versions, versions);
+    assert_eq!(l.captured_versions(plan.read).unwrap(), versions);
     assert_eq!(l.readers(&slots, k).unwrap(), vec![1; 18]);
     let out = l.claim(&range(6..14), k, TaskId(4)).unwrap();
     assert_eq!(out.stolen_slots, vec![12, 13]);
@@ -118,7 +118,7 @@ fn scattered_lists_work_like_lists_of_blocks() {
         let n = slots.len() as i64;
         assert_eq!(l.owned(big, key).unwrap(), (range(0..n), slots.clone()));
         let plan = l.plan_read(slots, key).unwrap();
-        assert_eq!(plan.sources, vec![big.0 as i64; slots.len()]);
+        assert_eq!(plan.sources, Some(vec![big.0 as i64; slots.len()]));
         let out = l.claim(slots, key, T1).unwrap();
         assert_eq!(out.stolen_slots, *slots);
         assert_eq!(out.preserve_slots, *slots);
@@ -189,14 +189,9 @@ fn a_long_run_read_starting_at_an_absent_slot_reports_each_slots_owner_and_versi
     let mut versions = vec![0u64; 24];
     versions[4..16].fill(1);
     versions[16..20].fill(2);
-    assert_eq!(
-        (plan.sources.clone(), plan.versions.clone()),
-        (sources, versions)
-    );
-    assert_eq!(
-        peek_each(&l, &slots, k),
-        (plan.sources.clone(), plan.versions.clone())
-    );
+    let captured = l.captured_versions(plan.read).unwrap();
+    assert_eq!((plan.source_codes(), captured.clone()), (sources, versions));
+    assert_eq!(peek_each(&l, &slots, k), (plan.source_codes(), captured));
     assert_eq!((plan.num_absent(), plan.num_from_pool()), (8, 12));
     // Nothing moved yet; every slot has one reader at its version.
     assert_eq!(l.validate(plan.read).unwrap(), Vec::<i64>::new());
@@ -226,7 +221,7 @@ fn long_runs_of_absent_slots_before_and_after_other_rows_are_captured_absent() {
     let mut sources = vec![SOURCE_ABSENT; 10];
     sources.extend([SOURCE_POOL; 12]);
     sources.extend([SOURCE_ABSENT; 4]);
-    assert_eq!(plan.sources, sources);
+    assert_eq!(plan.sources, Some(sources));
     assert_eq!(plan.num_absent(), 14);
     // A slot that had no row when planned has not "vanished": nothing moved.
     assert_eq!(l.validate(plan.read).unwrap(), Vec::<i64>::new());

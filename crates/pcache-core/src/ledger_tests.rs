@@ -82,7 +82,11 @@ fn claim_over_a_read_committed_slot_asks_for_preservation() {
     l.claim(&[8i64, 9], k, T1).unwrap();
     l.commit(T1).unwrap();
     let plan = l.plan_read(&[8i64, 9], k).unwrap();
-    assert_eq!(plan.sources, vec![SOURCE_POOL, SOURCE_POOL]);
+    assert_eq!(
+        plan.sources, None,
+        "every row in the pool: nothing per slot"
+    );
+    assert_eq!(plan.source_codes(), vec![SOURCE_POOL, SOURCE_POOL]);
     let out = l.claim(&[9i64, 10], k, T2).unwrap();
     assert_eq!(out.preserve_slots, vec![9]);
     assert_eq!(
@@ -106,7 +110,7 @@ fn claim_over_a_read_in_transit_slot_asks_the_old_task_to_preserve() {
     let (mut l, k) = ledger_with_key();
     l.claim(&[8i64, 9], k, T1).unwrap();
     let plan = l.plan_read(&[9i64], k).unwrap();
-    assert_eq!(plan.sources, vec![1], "in transit under task#1");
+    assert_eq!(plan.sources, Some(vec![1]), "in transit under task#1");
     let out = l.claim(&[9i64], k, T2).unwrap();
     assert_eq!(out.stolen_slots, vec![9]);
     assert_eq!(out.preserve_slots, vec![9]);
@@ -174,7 +178,7 @@ fn abandoned_rows_are_absent_and_reads_see_it() {
     let (mut l, k) = ledger_with_key();
     l.claim(&[5i64], k, T1).unwrap();
     let plan = l.plan_read(&[5i64], k).unwrap();
-    assert_eq!(plan.sources, vec![1]);
+    assert_eq!(plan.sources, Some(vec![1]));
     assert_eq!(l.abandon(T1).unwrap(), 1);
     assert_eq!(l.validate(plan.read).unwrap(), vec![0]);
     assert_eq!(l.peek(&[5i64], k).unwrap().0, vec![SOURCE_ABSENT]);

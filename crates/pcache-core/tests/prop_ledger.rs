@@ -200,7 +200,12 @@ fn check_state(ledger: &Ledger, model: &Model, stats: &mut Stats) {
             );
         }
     }
-    for &read in model.reads.keys() {
+    for (&read, r) in &model.reads {
+        assert_eq!(
+            ledger.captured_versions(ReadId(read)).unwrap(),
+            r.versions,
+            "captured_versions(read#{read})"
+        );
         let moved = ledger.validate(ReadId(read)).unwrap();
         assert_eq!(
             moved,

@@ -29,20 +29,37 @@ pub struct ClaimOutcome {
 }
 
 /// A registered pending read (see `pcache_core::ReadPlan`).
-#[pyclass(frozen, get_all, module = "omni_pcache._native")]
+#[pyclass(frozen, module = "omni_pcache._native")]
 pub struct ReadPlan {
     /// The read's id; release it when served.
+    #[pyo3(get)]
     read_id: u64,
-    /// Per slot: `SOURCE_ABSENT` (-2), `SOURCE_POOL` (-1) or the in-transit task id.
-    sources: Py<PyArray1<i64>>,
-    /// Per slot: the captured version.
-    versions: Py<PyArray1<u64>>,
     /// Slots never written.
+    #[pyo3(get)]
     num_absent: usize,
     /// Slots committed in the pool.
+    #[pyo3(get)]
     num_from_pool: usize,
     /// The in-transit task ids among `sources`, ascending, each once.
+    #[pyo3(get)]
     tasks: Vec<u64>,
+    plan: pcache_core::ReadPlan,
+}
+
+#[pymethods]
+impl ReadPlan {
+    /// Per slot: `SOURCE_ABSENT` (-2), `SOURCE_POOL` (-1) or the in-transit task id (a new
+    /// int64 array at each access; nothing per slot is kept for a read served from the pool
+    /// alone).
+    #[getter]
+    fn sources(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        int_array(py, self.plan.source_codes())
+    }
+
+    /// Slots read.
+    fn __len__(&self) -> usize {
+        self.plan.len
+    }
 }
 
 /// Hands a claim's outcome to Python (one shared empty array in the common case).
@@ -249,7 +266,8 @@ impl Ledger {
         Ok((int_array(py, sources), uint_array(py, versions)))
     }
 
-    /// Plans a read: sources and captured versions, registered until `release`.
+    /// Plans a read: per slot its source; registered with the versions it captured until
+    /// `release`.
     fn plan_read(
         &self,
         py: Python<'_>,
@@ -262,16 +280,20 @@ impl Ledger {
             with_slice!(view, |s| self.inner.lock().plan_read(s, KeyId(key_id)))
         })
         .py_err()?;
-        let (num_absent, num_from_pool) = (plan.num_absent(), plan.num_from_pool());
-        let tasks = plan.tasks().into_iter().map(|t| t.0).collect();
         Ok(ReadPlan {
             read_id: plan.read.0,
-            num_absent,
-            num_from_pool,
-            tasks,
-            sources: int_array(py, plan.sources),
-            versions: uint_array(py, plan.versions),
+            num_absent: plan.num_absent(),
+            num_from_pool: plan.num_from_pool(),
+            tasks: plan.tasks().into_iter().map(|t| t.0).collect(),
+            plan,
         })
+    }
+
+    /// The version each position of a pending read captured, in its slot order (what rows
+    /// kept aside for it are keyed by).
+    fn captured_versions(&self, py: Python<'_>, read_id: u64) -> PyResult<UintArray> {
+        let versions = self.inner.lock().captured_versions(ReadId(read_id));
+        Ok(uint_array(py, versions.py_err()?))
     }
 
     /// Positions of the read whose rows moved since it was planned.

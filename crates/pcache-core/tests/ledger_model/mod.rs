@@ -211,17 +211,19 @@ impl Model {
         let cells: Vec<Cell> = slots.iter().map(|&s| self.cell(key, s)).collect();
         let read = self.next_read;
         self.next_read += 1;
+        // (no per-slot sources when every row is in the pool)
+        let all_pool = cells.iter().all(|c| c.owner == Owner::Pool);
         let plan = ReadPlan {
             read: ReadId(read),
-            sources: cells.iter().map(|c| c.owner.code()).collect(),
-            versions: cells.iter().map(|c| c.version).collect(),
+            len: slots.len(),
+            sources: (!all_pool).then(|| cells.iter().map(|c| c.owner.code()).collect()),
         };
         self.reads.insert(
             read,
             PendingRead {
                 key,
                 slots,
-                versions: plan.versions.clone(),
+                versions: cells.iter().map(|c| c.version).collect(),
                 owners: cells.iter().map(|c| c.owner).collect(),
             },
         );
