@@ -206,19 +206,21 @@ pub(crate) fn check_unique<S: RawSlot>(seen: &mut [u64], runs: &[Run], slots: &[
     // distinct, so a repeat is a bit an earlier run set).
     let mut position = 0;
     let repeat = runs.iter().position(|&run| {
-        let repeat = if run.len == 1 {
-            is_set(seen, run.start)
+        let (word, last_word) = (run.start / 64, (run.start + run.len - 1) / 64);
+        let repeat = if word == last_word {
+            // (one word: a block of 64 or fewer slots that does not straddle a word)
+            let mask = (u64::MAX >> (64 - run.len)) << (run.start % 64);
+            let repeat = seen[word as usize] & mask != 0;
+            seen[word as usize] |= if repeat { 0 } else { mask };
+            repeat
         } else {
-            run_words(run).any(|(w, mask)| seen[w] & mask != 0)
-        };
-        if !repeat {
-            if run.len == 1 {
-                seen[run.start as usize / 64] |= 1 << (run.start % 64);
-            } else {
+            let repeat = run_words(run).any(|(w, mask)| seen[w] & mask != 0);
+            if !repeat {
                 run_words(run).for_each(|(w, mask)| seen[w] |= mask);
             }
-            position += run.len as usize;
-        }
+            repeat
+        };
+        position += if repeat { 0 } else { run.len as usize };
         repeat
     });
     let verdict = match repeat {
@@ -240,8 +242,14 @@ pub(crate) fn check_unique<S: RawSlot>(seen: &mut [u64], runs: &[Run], slots: &[
             })
         }
     };
-    for &run in &runs[..repeat.unwrap_or(runs.len())] {
-        run_words(run).for_each(|(w, mask)| seen[w] &= !mask);
+    let marked = &runs[..repeat.unwrap_or(runs.len())];
+    if marked.len() >= seen.len() / 16 {
+        // Many runs: clearing the whole bitmap (one bit per slot) is cheaper than run by run.
+        seen.fill(0);
+    } else {
+        for &run in marked {
+            run_words(run).for_each(|(w, mask)| seen[w] &= !mask);
+        }
     }
     verdict
 }
