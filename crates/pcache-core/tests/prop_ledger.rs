@@ -68,6 +68,21 @@ struct Stats {
     unknown_task: usize,
     unknown_read: usize,
     release_ok: usize,
+    /// Claims, invalidations and reads listing a whole block of the ledger's size (> 1) in
+    /// order, and ones listing part of a block: the ledger's two paths.
+    whole_block_lists: usize,
+    part_block_lists: usize,
+}
+
+/// Whether `slots` list some whole block of `size` in order, and some part of a block.
+fn block_shapes(slots: &[i64], size: u32) -> (bool, bool) {
+    let size = size as usize;
+    let whole = (size > 1)
+        && slots.windows(size).any(|w| {
+            w[0] >= 0 && w[0] as usize % size == 0 && (0..).zip(w).all(|(k, &s)| s == w[0] + k)
+        });
+    let part = (size > 1) && slots.len() % size != 0;
+    (whole, part)
 }
 
 fn count_error(stats: &mut Stats, err: &Error) {
@@ -244,6 +259,13 @@ fn run(ops: &[Op], block_size: u32) -> Stats {
     let mut model = Model::default();
     check_state(&ledger, &model, &mut stats);
     for op in ops {
+        if let Op::Claim { slots, .. } | Op::Invalidate { slots, .. } | Op::PlanRead { slots, .. } =
+            op
+        {
+            let (whole, part) = block_shapes(slots, block_size);
+            stats.whole_block_lists += usize::from(whole);
+            stats.part_block_lists += usize::from(part);
+        }
         apply(&mut ledger, &mut model, op, &mut stats);
         check_state(&ledger, &model, &mut stats);
     }
@@ -368,6 +390,8 @@ fn generator_reaches_every_outcome() {
                 t.unknown_task += s.unknown_task;
                 t.unknown_read += s.unknown_read;
                 t.release_ok += s.release_ok;
+                t.whole_block_lists += s.whole_block_lists;
+                t.part_block_lists += s.part_block_lists;
                 Ok(())
             },
         )
@@ -387,6 +411,8 @@ fn generator_reaches_every_outcome() {
         ("unknown_task", t.unknown_task),
         ("unknown_read", t.unknown_read),
         ("release_ok", t.release_ok),
+        ("whole_block_lists", t.whole_block_lists),
+        ("part_block_lists", t.part_block_lists),
     ] {
         assert!(n >= 10, "{name} happened only {n} times: {t:?}");
     }
