@@ -40,7 +40,7 @@ use crate::ids::{KeyId, ReadId, TaskId};
 pub use crate::ledger_outcomes::{
     contiguous_from, ClaimOutcome, ReadPlan, Source, SOURCE_ABSENT, SOURCE_POOL,
 };
-use crate::slot_columns::{Handles, KeyColumns, ReadOf, OWNER_ABSENT, OWNER_POOL};
+use crate::slot_columns::{Handles, KeyColumns, ReadOf, ReadRun, OWNER_ABSENT, OWNER_POOL};
 pub use crate::slot_runs::RawSlot;
 use crate::slot_runs::{check_unique, split_runs, Run};
 
@@ -52,13 +52,6 @@ struct PendingRead {
     /// Positions (ascending) whose slot had no row when the read was planned; every other
     /// position captured a row, and the read sees it vanish if the slot becomes absent.
     captured_absent: Vec<usize>,
-}
-
-/// Consecutive slots of a pending read, all captured at one version.
-#[derive(Debug, Clone, Copy)]
-struct ReadRun {
-    run: Run,
-    version: u64,
 }
 
 /// Appends the slots of `run` at `version` (their versions, in order) to `out` as runs of
@@ -105,6 +98,7 @@ impl Sources {
     }
 
     /// `n` slots with source `code`.
+    #[inline]
     fn push_same(&mut self, code: i64, n: usize) {
         if !(self.all_pool && code == SOURCE_POOL) {
             self.keep_codes();
@@ -352,9 +346,7 @@ impl Ledger {
         let version = self.take_version();
         let (cols, handles) = (&mut self.keys[key.0 as usize], &self.handles);
         // (a claim by nobody: the owner becomes absent, and an absent slot is nobody's to steal)
-        for &run in &runs {
-            cols.claim(run, OWNER_ABSENT, version, handles, &mut out);
-        }
+        cols.claim(&runs, OWNER_ABSENT, version, handles, &mut out);
         Ok(out)
     }
 
@@ -374,9 +366,7 @@ impl Ledger {
         });
         let (me, handles) = (claims.owner, &self.handles);
         let cols = &mut self.keys[key.0 as usize];
-        for &run in &runs {
-            cols.claim(run, me, version, handles, out);
-        }
+        cols.claim(&runs, me, version, handles, out);
         claims.append(key, runs);
     }
 
@@ -461,10 +451,7 @@ impl Ledger {
         let me = claims.owner;
         let mut n = 0;
         for rows in &claims.per_key {
-            let cols = &mut self.keys[rows.key.0 as usize];
-            for &run in &rows.runs {
-                n += cols.settle(run, me, to);
-            }
+            n += self.keys[rows.key.0 as usize].settle(&rows.runs, me, to);
         }
         // No slot names the task any more: its handle is free.
         self.handles.give_back(me);
@@ -651,10 +638,7 @@ impl Ledger {
             .reads
             .remove(&read)
             .ok_or(Error::UnknownRead { read })?;
-        let cols = &mut self.keys[r.key.0 as usize];
-        for rr in &r.runs {
-            cols.release(rr.run, rr.version);
-        }
+        self.keys[r.key.0 as usize].release(&r.runs);
         Ok(())
     }
 

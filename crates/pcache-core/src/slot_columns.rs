@@ -155,6 +155,7 @@ impl KeyColumns {
         })
     }
 
+    #[inline(always)]
     fn is_whole(&self, block: usize) -> bool {
         self.whole[block / 64] & (1 << (block % 64)) != 0
     }
@@ -166,6 +167,7 @@ impl KeyColumns {
     }
 
     /// The entry of `block` if it is whole.
+    #[inline(always)]
     pub(crate) fn whole_entry(&self, block: usize) -> Option<Entry> {
         self.is_whole(block).then(|| self.blocks[block])
     }
@@ -216,13 +218,13 @@ impl KeyColumns {
         )
     }
 
-    /// Claims `run` for owner `me` at `version` (a version no claim gave these slots
+    /// Claims `runs` for owner `me` at `version` (a version no claim gave these slots
     /// before): reports every slot that is stolen (held by another in-transit task) or must
     /// be preserved (a pending read captured it, and its row is committed or another task's)
     /// in `out`, in slot order, then takes them over.
     pub(crate) fn claim(
         &mut self,
-        run: Run,
+        runs: &[Run],
         me: u32,
         version: u64,
         handles: &Handles,
@@ -233,43 +235,57 @@ impl KeyColumns {
             version,
             readers: 0,
         };
-        for piece in self.pieces(run) {
-            if piece.whole {
-                match self.whole_entry(piece.block) {
-                    Some(before) => report_block(piece.slots.clone(), before, me, handles, out),
-                    None => {
-                        let (owner, version, readers) = self.slot_columns(piece.slots.clone());
-                        report_slots(piece.slots.start, owner, version, readers, me, handles, out);
+        for &run in runs {
+            for piece in self.pieces(run) {
+                if piece.whole {
+                    match self.whole_entry(piece.block) {
+                        Some(before) => report_block(piece.slots.clone(), before, me, handles, out),
+                        None => {
+                            let (owner, version, readers) = self.slot_columns(piece.slots.clone());
+                            report_slots(
+                                piece.slots.start,
+                                owner,
+                                version,
+                                readers,
+                                me,
+                                handles,
+                                out,
+                            );
+                        }
                     }
+                    self.make_whole(piece.block, mine);
+                } else {
+                    let first = piece.slots.start;
+                    let (owner, versions, readers) = self.slots_of(&piece);
+                    report_slots(first, owner, versions, readers, me, handles, out);
+                    owner.fill(me);
+                    versions.fill(version);
+                    readers.fill(0);
                 }
-                self.make_whole(piece.block, mine);
-            } else {
-                let first = piece.slots.start;
-                let (owner, versions, readers) = self.slots_of(&piece);
-                report_slots(first, owner, versions, readers, me, handles, out);
-                owner.fill(me);
-                versions.fill(version);
-                readers.fill(0);
             }
         }
     }
 
-    /// Sets every slot of `run` that `me` owns to owner `to`; returns how many.
-    pub(crate) fn settle(&mut self, run: Run, me: u32, to: u32) -> usize {
+    /// Sets every slot of `runs` that `me` owns to owner `to`; returns how many.
+    pub(crate) fn settle(&mut self, runs: &[Run], me: u32, to: u32) -> usize {
         let mut n = 0;
-        for piece in self.pieces(run) {
-            match self.whole_entry(piece.block) {
-                Some(e) if e.owner != me => {}
-                Some(_) if piece.whole => {
-                    self.blocks[piece.block].owner = to;
-                    n += piece.slots.len();
-                }
-                _ => {
-                    for o in self.slots_of(&piece).0 {
-                        let mine = *o == me;
-                        n += usize::from(mine);
-                        *o = if mine { to } else { *o };
+        for &run in runs {
+            for piece in self.pieces(run) {
+                if self.is_whole(piece.block) {
+                    let owner = &mut self.blocks[piece.block].owner;
+                    if *owner != me {
+                        continue;
                     }
+                    if piece.whole {
+                        *owner = to;
+                        n += piece.slots.len();
+                        continue;
+                    }
+                }
+                for o in self.slots_of(&piece).0 {
+                    let mine = *o == me;
+                    n += usize::from(mine);
+                    *o = if mine { to } else { *o };
                 }
             }
         }
@@ -279,6 +295,7 @@ impl KeyColumns {
     /// Registers one more pending read of `piece`'s slots at their current versions and
     /// returns their entries (before the registration): one for a whole block, else one per
     /// slot (`None`: read them from the returned per-slot columns).
+    #[inline(always)]
     pub(crate) fn read_piece(&mut self, piece: &Piece) -> ReadOf<'_> {
         match self.whole_entry(piece.block) {
             Some(e) if piece.whole => {
@@ -293,31 +310,41 @@ impl KeyColumns {
         }
     }
 
-    /// One pending read of `run`, captured at `version`, is released: each slot still at that
-    /// version has one reader fewer.
-    pub(crate) fn release(&mut self, run: Run, version: u64) {
-        for piece in self.pieces(run) {
-            match self.whole_entry(piece.block) {
-                // (A claim since gave the block a new version: it holds no reader of this read.)
-                Some(e) if e.version != version => {}
-                Some(_) if piece.whole => {
-                    let readers = &mut self.blocks[piece.block].readers;
-                    *readers = readers.saturating_sub(1);
-                }
-                _ => {
-                    let (_, versions, readers) = self.slots_of(&piece);
-                    for (n, &v) in readers.iter_mut().zip(versions.iter()) {
-                        // Branch-free, which the compiler vectorises.
-                        *n = if v == version {
-                            n.saturating_sub(1)
-                        } else {
-                            *n
-                        };
+    /// A pending read of `runs` is released: each slot still at the version its run
+    /// captured has one reader fewer.
+    pub(crate) fn release(&mut self, runs: &[ReadRun]) {
+        for &ReadRun { run, version } in runs {
+            for piece in self.pieces(run) {
+                if self.is_whole(piece.block) {
+                    let entry = &mut self.blocks[piece.block];
+                    if entry.version != version {
+                        // (A claim since gave the block a new version: no reader of this read.)
+                        continue;
                     }
+                    if piece.whole {
+                        entry.readers = entry.readers.saturating_sub(1);
+                        continue;
+                    }
+                }
+                let (_, versions, readers) = self.slots_of(&piece);
+                for (n, &v) in readers.iter_mut().zip(versions.iter()) {
+                    // Branch-free, which the compiler vectorises.
+                    *n = if v == version {
+                        n.saturating_sub(1)
+                    } else {
+                        *n
+                    };
                 }
             }
         }
     }
+}
+
+/// Consecutive slots of a pending read, all captured at one version.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ReadRun {
+    pub(crate) run: Run,
+    pub(crate) version: u64,
 }
 
 /// What [`KeyColumns::read_piece`] found: one entry for a whole block, or the piece's owner
