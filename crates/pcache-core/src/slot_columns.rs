@@ -238,20 +238,14 @@ impl KeyColumns {
         for &run in runs {
             for piece in self.pieces(run) {
                 if piece.whole {
-                    match self.whole_entry(piece.block) {
-                        Some(before) => report_block(piece.slots.clone(), before, me, handles, out),
-                        None => {
-                            let (owner, version, readers) = self.slot_columns(piece.slots.clone());
-                            report_slots(
-                                piece.slots.start,
-                                owner,
-                                version,
-                                readers,
-                                me,
-                                handles,
-                                out,
-                            );
-                        }
+                    if self.is_whole(piece.block) {
+                        // (by reference: copying the entry out cost a store and a reload)
+                        let before = &self.blocks[piece.block];
+                        report_block(piece.slots.clone(), before, me, handles, out);
+                    } else {
+                        let (owner, version, readers) = self.slot_columns(piece.slots.clone());
+                        let first = piece.slots.start;
+                        report_slots(first, owner, version, readers, me, handles, out);
                     }
                     self.make_whole(piece.block, mine);
                 } else {
@@ -358,7 +352,7 @@ pub(crate) enum ReadOf<'a> {
 #[inline(always)]
 fn report_block(
     slots: Range<usize>,
-    before: Entry,
+    before: &Entry,
     me: u32,
     handles: &Handles,
     out: &mut ClaimOutcome,
@@ -366,7 +360,7 @@ fn report_block(
     let other_task = before.owner >= OWNER_TASK_BASE && before.owner != me;
     // (Typically neither: nothing to report.)
     if other_task || (before.readers > 0 && before.owner == OWNER_POOL) {
-        report_taken(slots, before, other_task, handles, out);
+        report_taken(slots, *before, other_task, handles, out);
     }
 }
 
@@ -420,6 +414,6 @@ fn report_slots(
             version: version[i],
             readers: n,
         };
-        report_block(first + i..first + i + 1, before, me, handles, out);
+        report_block(first + i..first + i + 1, &before, me, handles, out);
     }
 }

@@ -149,7 +149,11 @@ fn consecutive<S: RawSlot, const N: usize>(
 /// consecutive in-range ids is taken whole; anything else (a run boundary, a bad id) goes
 /// one slot at a time.
 pub(crate) fn blocks_to_runs<S: RawSlot>(slots: &[S], num_slots: u32) -> Result<Vec<Run>> {
-    let mut runs = RunBuilder::default();
+    let mut runs = RunBuilder {
+        // (a run per block of 16, the engine's usual size, without regrowing)
+        runs: Vec::with_capacity(slots.len() / WIDE_CHUNK + 1),
+        ..RunBuilder::default()
+    };
     let mut position = 0;
     while position < slots.len() {
         if let Some(first) = consecutive::<S, WIDE_CHUNK>(slots, position, num_slots) {
