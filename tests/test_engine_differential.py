@@ -34,6 +34,8 @@ SCENARIOS = [
     ),
     ("output-thread", EngineConfig(num_blocks=32, output_thread=True), "mixed", 60, 0.15),
     ("small-blocks", EngineConfig(num_blocks=96, block_size=4), "chat", 40, 0.1),
+    # (a block size that is not a power of two: the ledger divides to find a slot's block)
+    ("odd-blocks", EngineConfig(num_blocks=80, block_size=6), "fewshot", 40, 0.1),
     (
         "deferred-preemption-heavy",
         EngineConfig(num_blocks=20, max_num_batched_tokens=128, deferred_proj=True, device_budget_bytes=6000),
