@@ -37,6 +37,7 @@ use std::collections::HashMap;
 
 use crate::error::{Error, Result};
 use crate::ids::{KeyId, ReadId, TaskId};
+use crate::ledger_outcomes::Sources;
 pub use crate::ledger_outcomes::{
     contiguous_from, ClaimOutcome, ReadPlan, Source, SOURCE_ABSENT, SOURCE_POOL,
 };
@@ -65,57 +66,6 @@ fn push_read_runs(out: &mut Vec<ReadRun>, run: Run, version: &[u64]) {
             version: same[0],
         });
         start += len;
-    }
-}
-
-/// The per-slot sources of a read being planned: none kept while every row so far is in the
-/// pool (the usual hit), so such a read writes nothing per slot.
-struct Sources {
-    codes: Vec<i64>,
-    /// Slots added so far.
-    len: usize,
-    all_pool: bool,
-    capacity: usize,
-}
-
-impl Sources {
-    fn new(capacity: usize) -> Self {
-        Self {
-            codes: Vec::new(),
-            len: 0,
-            all_pool: true,
-            capacity,
-        }
-    }
-
-    /// From the first row not in the pool on, every slot's code is kept.
-    fn keep_codes(&mut self) {
-        if self.all_pool {
-            self.all_pool = false;
-            self.codes.reserve(self.capacity);
-            self.codes.resize(self.len, SOURCE_POOL);
-        }
-    }
-
-    /// `n` slots with source `code`.
-    #[inline]
-    fn push_same(&mut self, code: i64, n: usize) {
-        if !(self.all_pool && code == SOURCE_POOL) {
-            self.keep_codes();
-            self.codes.extend(std::iter::repeat_n(code, n));
-        }
-        self.len += n;
-    }
-
-    /// Slots with these sources, not all in the pool.
-    fn push_each(&mut self, codes: impl ExactSizeIterator<Item = i64>) {
-        self.keep_codes();
-        self.len += codes.len();
-        self.codes.extend(codes);
-    }
-
-    fn finish(self) -> Option<Vec<i64>> {
-        (!self.all_pool).then_some(self.codes)
     }
 }
 

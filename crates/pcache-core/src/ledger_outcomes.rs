@@ -1,5 +1,6 @@
 //! What ledger calls hand back: where a row is ([`Source`] and its numeric codes), what a
-//! claim found ([`ClaimOutcome`]) and a registered read ([`ReadPlan`]); plain data.
+//! claim found ([`ClaimOutcome`]) and a registered read ([`ReadPlan`], its per-slot sources
+//! built by [`Sources`]); plain data.
 
 use crate::ids::{ReadId, TaskId};
 
@@ -115,5 +116,56 @@ impl ReadPlan {
         tasks.sort_unstable();
         tasks.dedup();
         tasks.into_iter().map(TaskId).collect()
+    }
+}
+
+/// The per-slot sources of a read being planned: none kept while every row so far is in the
+/// pool (the usual hit), so such a read writes nothing per slot.
+pub(crate) struct Sources {
+    codes: Vec<i64>,
+    /// Slots added so far.
+    pub(crate) len: usize,
+    all_pool: bool,
+    capacity: usize,
+}
+
+impl Sources {
+    pub(crate) fn new(capacity: usize) -> Self {
+        Self {
+            codes: Vec::new(),
+            len: 0,
+            all_pool: true,
+            capacity,
+        }
+    }
+
+    /// From the first row not in the pool on, every slot's code is kept.
+    fn keep_codes(&mut self) {
+        if self.all_pool {
+            self.all_pool = false;
+            self.codes.reserve(self.capacity);
+            self.codes.resize(self.len, SOURCE_POOL);
+        }
+    }
+
+    /// `n` slots with source `code`.
+    #[inline]
+    pub(crate) fn push_same(&mut self, code: i64, n: usize) {
+        if !(self.all_pool && code == SOURCE_POOL) {
+            self.keep_codes();
+            self.codes.extend(std::iter::repeat_n(code, n));
+        }
+        self.len += n;
+    }
+
+    /// Slots with these sources, not all in the pool.
+    pub(crate) fn push_each(&mut self, codes: impl ExactSizeIterator<Item = i64>) {
+        self.keep_codes();
+        self.len += codes.len();
+        self.codes.extend(codes);
+    }
+
+    pub(crate) fn finish(self) -> Option<Vec<i64>> {
+        (!self.all_pool).then_some(self.codes)
     }
 }
