@@ -266,7 +266,23 @@ fn a_chunk_of_slots_is_taken_whole_only_when_every_slot_is_consecutive_and_in_ra
     let negative = range(-8..0);
     let mut small = Ledger::new(8, 4).unwrap();
     let small_key = small.add_key();
+    // The same for the 16-slot chunks: one slot sixteen times (after a run, so the list is
+    // taken for blocks), a bad id inside, two swapped.
+    let same_sixteen: Vec<i64> = (0..32).chain([40; 16]).collect();
+    let mut bad_in_sixteen = range(32..48);
+    bad_in_sixteen[9] = 64;
+    let mut swapped_sixteen = range(48..64);
+    swapped_sixteen.swap(3, 4);
     for (result, want) in [
+        (
+            l.claim(&same_sixteen, k, T2),
+            Error::DuplicateSlot {
+                slot: 40,
+                first: 32,
+                second: 33,
+            },
+        ),
+        (l.claim(&bad_in_sixteen, k, T2), out_of_range(64, 9, 64)),
         (l.claim(&bad_inside, k, T2), out_of_range(100, 4, 64)),
         (
             l.claim(&repeat_inside, k, T2),
@@ -286,6 +302,8 @@ fn a_chunk_of_slots_is_taken_whole_only_when_every_slot_is_consecutive_and_in_ra
         assert_eq!(result.unwrap_err(), want);
     }
     assert_eq!(l.num_tasks(), 1, "the refused claims took nothing");
+    l.claim(&swapped_sixteen, k, T2).unwrap();
+    assert_eq!(l.owned(T2, k).unwrap(), (range(0..16), swapped_sixteen));
 }
 
 #[test]

@@ -265,6 +265,11 @@ fn bad_input_is_refused_and_changes_nothing() {
         Ledger::new(0, 4),
         Err(Error::InvalidConfig { .. })
     ));
+    assert!(matches!(
+        Ledger::new(64, 0),
+        Err(Error::InvalidConfig { .. })
+    ));
+    assert_eq!(Ledger::new(64, 16).unwrap().block_size(), 16);
 }
 
 /// The error for `slot` at `position` of a list, in a ledger of `num_slots` slots.
@@ -274,4 +279,23 @@ pub(super) fn out_of_range(slot: i64, position: usize, num_slots: u32) -> Error 
         position,
         num_slots,
     }
+}
+
+#[test]
+fn a_settled_task_gives_its_handle_back_for_the_next() {
+    // A server runs millions of tasks: the owner-code table must not grow with them.
+    let (mut l, k) = ledger_with_key();
+    for t in 0..100u64 {
+        l.claim(&[t as i64 % 64], k, TaskId(t)).unwrap();
+        if t % 2 == 0 {
+            l.commit(TaskId(t)).unwrap();
+        } else {
+            l.abandon(TaskId(t)).unwrap();
+        }
+    }
+    assert_eq!(l.handles.allocated(), 1);
+    // Two tasks in flight at once hold two.
+    l.claim(&[1i64], k, T1).unwrap();
+    l.claim(&[2i64], k, T2).unwrap();
+    assert_eq!(l.handles.allocated(), 2);
 }

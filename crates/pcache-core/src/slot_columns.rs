@@ -47,6 +47,12 @@ impl Handles {
         self.free.push(owner);
     }
 
+    /// Handles ever made (in use or free): the table's size (tests).
+    #[cfg(test)]
+    pub(crate) fn allocated(&self) -> usize {
+        self.tasks.len()
+    }
+
     /// The task an owner code (`>= OWNER_TASK_BASE`) names.
     pub(crate) fn task(&self, owner: u32) -> TaskId {
         self.tasks[(owner - OWNER_TASK_BASE) as usize]
@@ -417,3 +423,7 @@ fn report_slots(
         report_block(first + i..first + i + 1, &before, me, handles, out);
     }
 }
+
+#[cfg(all(test, not(loom)))]
+#[path = "slot_columns_tests.rs"]
+mod tests;
