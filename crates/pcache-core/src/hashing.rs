@@ -177,6 +177,7 @@ mod tests {
         // Golden values: a change here breaks every hash persisted or compared across
         // processes. Update only with a deliberate format change.
         let mut h = BlockHasher::new(4).unwrap();
+        assert_eq!(h.block_size(), 4);
         let got = h.hash_blocks(&tokens(9), None, None).unwrap();
         assert_eq!(got.len(), 2, "the partial block is not hashed");
         let hex: Vec<String> = got.iter().map(|b| format!("{:032x}", b.0)).collect();
