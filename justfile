@@ -37,9 +37,9 @@ demo *ARGS: setup develop
 soak SEEDS="120": setup develop
     OMNI_PCACHE_SOAK_SEEDS={{SEEDS}} python -m pytest -q -s tests/test_engine_differential.py -k soak
 
-# Mutation testing of the Rust core with its own tests (cargo-mutants, installed on first use;
-# ~20 min on 2 cores; report in mutants.out/). Survivors in code that only the Python suite
+# ~20 min on 2 cores, report in mutants.out/. Survivors in code that only the Python suite
 # reaches (the bindings' callers) need a look with `just test` before they count as gaps.
+# Mutation testing of the Rust core with its own tests (cargo-mutants, installed on first use).
 mutants:
     command -v cargo-mutants >/dev/null || cargo install --locked cargo-mutants
     cargo mutants -p pcache-core -j 2 --timeout 60
