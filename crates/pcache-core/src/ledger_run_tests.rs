@@ -2,7 +2,7 @@
 //! vectorised paths, runs across bitmap words, scattered lists, slot integer types and the
 //! errors of bad lists.
 
-use super::tests::{ledger_with_key, out_of_range, T1, T2};
+use super::tests::{duplicate, ledger_with_key, out_of_range, T1, T2};
 use super::*;
 
 fn range(r: std::ops::Range<i64>) -> Vec<i64> {
@@ -17,14 +17,7 @@ fn runs_across_bitmap_words_are_checked_and_claimed_slot_by_slot() {
     let first: Vec<i64> = (60..140).chain(10..20).collect();
     assert_eq!(l.claim(&first, k, T1).unwrap(), ClaimOutcome::default());
     let dup: Vec<i64> = (0..10).chain(150..170).chain(5..8).collect();
-    assert_eq!(
-        l.claim(&dup, k, T2).unwrap_err(),
-        Error::DuplicateSlot {
-            slot: 5,
-            first: 5,
-            second: 30
-        }
-    );
+    assert_eq!(l.claim(&dup, k, T2).unwrap_err(), duplicate(5, 5, 30));
     // An out-of-range id anywhere wins over an earlier duplicate.
     assert_eq!(
         l.claim(&[3i64, 4, 3, 200], k, T2).unwrap_err(),
@@ -274,24 +267,10 @@ fn a_chunk_of_slots_is_taken_whole_only_when_every_slot_is_consecutive_and_in_ra
     let mut swapped_sixteen = range(48..64);
     swapped_sixteen.swap(3, 4);
     for (result, want) in [
-        (
-            l.claim(&same_sixteen, k, T2),
-            Error::DuplicateSlot {
-                slot: 40,
-                first: 32,
-                second: 33,
-            },
-        ),
+        (l.claim(&same_sixteen, k, T2), duplicate(40, 32, 33)),
         (l.claim(&bad_in_sixteen, k, T2), out_of_range(64, 9, 64)),
         (l.claim(&bad_inside, k, T2), out_of_range(100, 4, 64)),
-        (
-            l.claim(&repeat_inside, k, T2),
-            Error::DuplicateSlot {
-                slot: 9,
-                first: 9,
-                second: 10,
-            },
-        ),
+        (l.claim(&repeat_inside, k, T2), duplicate(9, 9, 10)),
         (l.claim(&past_the_end, k, T2), out_of_range(64, 4, 64)),
         (l.claim(&negative, k, T2), out_of_range(-8, 0, 64)),
         (
@@ -331,14 +310,7 @@ fn a_slot_repeated_inside_a_later_run_is_reported_where_it_repeats() {
     let (mut l, k) = ledger_with_key();
     // Runs [5] and [0..8]: slot 5 comes back at position 6, not at the run's start.
     let slots: Vec<i64> = std::iter::once(5).chain(0..8).collect();
-    assert_eq!(
-        l.claim(&slots, k, T1).unwrap_err(),
-        Error::DuplicateSlot {
-            slot: 5,
-            first: 0,
-            second: 6
-        }
-    );
+    assert_eq!(l.claim(&slots, k, T1).unwrap_err(), duplicate(5, 0, 6));
     assert_eq!(l.num_tasks(), 0);
     assert_eq!(
         l.claim(&range(0..8), k, T1).unwrap(),

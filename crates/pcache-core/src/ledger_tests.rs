@@ -245,11 +245,7 @@ fn bad_input_is_refused_and_changes_nothing() {
     );
     assert_eq!(
         l.claim(&[1i64, 2, 1], k, T1).unwrap_err(),
-        Error::DuplicateSlot {
-            slot: 1,
-            first: 0,
-            second: 2
-        }
+        duplicate(1, 0, 2)
     );
     assert_eq!(
         l.claim(&[1i64], KeyId(5), T1).unwrap_err(),
@@ -278,6 +274,14 @@ pub(super) fn out_of_range(slot: i64, position: usize, num_slots: u32) -> Error 
         slot,
         position,
         num_slots,
+    }
+}
+
+pub(super) fn duplicate(slot: u32, first: usize, second: usize) -> Error {
+    Error::DuplicateSlot {
+        slot,
+        first,
+        second,
     }
 }
 
