@@ -83,10 +83,16 @@ def test_unknown_key_task_and_read(ledger: Ledger) -> None:
         ledger.validate(9)
     with pytest.raises(InvalidInputError, match=r"unknown read#9"):
         ledger.release(9)
+    with pytest.raises(InvalidInputError, match=r"unknown read#9"):
+        ledger.captured_versions(9)
     assert snapshot(ledger) == before
     plan = ledger.plan_read([0, 1], 0)
     assert plan.sources.tolist() == [SOURCE_POOL, SOURCE_POOL]
+    assert len(plan) == 2
+    assert ledger.captured_versions(plan.read_id).tolist() == ledger.peek([0, 1], 0)[1].tolist()
     ledger.release(plan.read_id)
+    with pytest.raises(InvalidInputError, match=r"unknown read#"):
+        ledger.captured_versions(plan.read_id)  # (released: its versions are gone with it)
 
 
 def test_lists_and_int32_arrays_are_accepted(ledger: Ledger) -> None:
@@ -104,6 +110,14 @@ def test_lists_and_int32_arrays_are_accepted(ledger: Ledger) -> None:
 def test_zero_sized_registries_raise_config_error(factory) -> None:
     with pytest.raises(ConfigError, match="at least one slot"):
         factory()
+
+
+def test_a_ledger_needs_a_block_size_and_reports_it() -> None:
+    with pytest.raises(ConfigError, match=r"a block size of at least one \(got 16 slots in blocks of 0\)"):
+        Ledger(16, 0)
+    ledger = Ledger(48, 6)  # (any size: the last block may end past the last slot)
+    assert ledger.block_size == 6 and Ledger(16).block_size == 16
+    assert repr(ledger).startswith("Ledger(num_slots=48, block_size=6, ")
 
 
 def test_negative_sizes_are_rejected_before_the_core() -> None:
