@@ -36,12 +36,10 @@ class KeyRead:
     """One key's planned read of a hit span."""
 
     spec: KeySpec
-    read_id: int
     slots: np.ndarray
-    plan: ReadPlan  # `plan.sources` per slot, built when asked (only where some row is not in the pool)
-    num_absent: int
-    num_from_pool: int
-    tasks: list[int]  # in-transit source tasks, each once
+    # The ledger's plan: read_id, num_absent, num_from_pool, tasks (in-transit sources, each
+    # once), and `sources` per slot, built when asked (only where some row is not in the pool).
+    plan: ReadPlan
 
 
 @dataclass(slots=True)
@@ -89,8 +87,7 @@ class HitReader:
         """Registers the reads of one hit for every key (caller holds the ledger lock)."""
         reads = []
         for spec in specs:
-            plan = self._ledger.plan_read(slots, spec.key_id)
-            reads.append(KeyRead(spec, plan.read_id, slots, plan, plan.num_absent, plan.num_from_pool, plan.tasks))
+            reads.append(KeyRead(spec, slots, self._ledger.plan_read(slots, spec.key_id)))
         return HitRead(req_id, int(slots.size), reads)
 
     def release(self, hit: HitRead) -> None:
@@ -98,7 +95,7 @@ class HitReader:
         if not hit.released:
             hit.released = True
             for read in hit.keys:
-                self._ledger.release(read.read_id)
+                self._ledger.release(read.plan.read_id)
 
     def serve(
         self, hit: HitRead, step_id: int, timeout_s: float, into: dict[str, torch.Tensor] | None = None
@@ -108,7 +105,7 @@ class HitReader:
         `UnservableHitError`."""
         deadline = time.monotonic() + timeout_s
         for read in hit.keys:
-            if read.num_absent:
+            if read.plan.num_absent:
                 absent = np.flatnonzero(read.plan.sources == SOURCE_ABSENT)
                 raise UnservableHitError(
                     f"request {hit.req_id!r} (step {step_id}) hits {hit.num_rows} rows of "
@@ -117,7 +114,7 @@ class HitReader:
                     "computed them did not give this key, or the cache does not mirror the engine's KV "
                     "for these blocks"
                 )
-        in_flight = {t for read in hit.keys for t in read.tasks}
+        in_flight = {t for read in hit.keys for t in read.plan.tasks}
         # Deferred rows not yet written are served from their device clone, never waited for
         # (their write may not happen before the request finishes).
         clones = {t: record for t in in_flight if (record := self._open_deferred(t)) is not None}
@@ -137,12 +134,12 @@ class HitReader:
             kept = None
             # The usual case, nothing moved, needs only the ledger's own lock; moved rows are
             # looked up again under the cache's, atomically with the preserved copies.
-            moved = self._ledger.validate(read.read_id)
+            moved = self._ledger.validate(read.plan.read_id)
             if moved.size:
                 with self._cond:
-                    moved = self._ledger.validate(read.read_id)
+                    moved = self._ledger.validate(read.plan.read_id)
                     slots = read.slots[moved].tolist()
-                    versions = self._ledger.captured_versions(read.read_id)[moved].tolist()
+                    versions = self._ledger.captured_versions(read.plan.read_id)[moved].tolist()
                     lost = [
                         (s, v)
                         for s, v in zip(slots, versions, strict=True)
@@ -167,8 +164,8 @@ class HitReader:
                 in_flight_rows += int(np.count_nonzero(kept_sources >= 0))
                 from_pool += int(np.count_nonzero(kept_sources == SOURCE_POOL))
             else:
-                from_pool += read.num_from_pool
-                in_flight_rows += read.slots.size - read.num_from_pool  # (none absent: checked above)
+                from_pool += read.plan.num_from_pool
+                in_flight_rows += read.slots.size - read.plan.num_from_pool  # (none absent: checked above)
             served[read.spec.name] = rows
         return ServedRows(served, from_pool, in_flight_rows, preserved)
 

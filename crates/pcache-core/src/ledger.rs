@@ -217,7 +217,8 @@ impl Ledger {
 
     /// Claims `slots` of `key` for `task`, in the task's row order (appended to what the
     /// task already claimed on this key). Every slot gets this claim's version and its owner
-    /// becomes `task`. A slot the same task already holds is not reported as stolen or preserved. Refused as a whole (nothing changes) for an unknown key, an out-of-range or
+    /// becomes `task`. A slot the same task already holds is not reported as stolen or
+    /// preserved. Refused as a whole (nothing changes) for an unknown key, an out-of-range or
     /// negative slot, or a slot listed twice.
     pub fn claim<S: RawSlot>(
         &mut self,
@@ -358,20 +359,13 @@ impl Ledger {
             for piece in rows.runs.iter().flat_map(|&run| cols.pieces(run)) {
                 let range = piece.slots;
                 let len = range.len();
-                let all_mine = match cols.whole_entry(piece.block) {
-                    Some(e) => Some(e.owner == me),
-                    None => cols
-                        .slot_owners(range.clone())
-                        .iter()
-                        .all(|&o| o == me)
-                        .then_some(true),
-                };
-                match all_mine {
-                    Some(true) => {
+                match cols.whole_entry(piece.block) {
+                    // (a whole block is the task's throughout, or not at all)
+                    Some(e) if e.owner != me => {}
+                    Some(_) => {
                         positions.extend((position..position + len).map(|p| p as i64));
                         slots.extend(range.map(|s| s as i64));
                     }
-                    Some(false) => {}
                     None => {
                         let owners = cols.slot_owners(range.clone());
                         for ((p, s), &o) in (position..).zip(range).zip(owners) {

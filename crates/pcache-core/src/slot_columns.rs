@@ -1,6 +1,7 @@
 //! The ledger's per-key columns (owner, version, pending readers per slot, summarised per
-//! block) and the table of task handles its owner codes name, with the claim of one slot or
-//! one run on them. Private to the crate: [`crate::ledger::Ledger`] is their only user.
+//! block) and the table of task handles its owner codes name, with the claim, commit, read
+//! and release of runs of slots on them. Private to the crate: [`crate::ledger::Ledger`] is
+//! their only user.
 
 use std::ops::Range;
 
