@@ -81,6 +81,60 @@ def test_discovery_classifies_once_and_refuses_a_changed_row_shape_or_dtype() ->
         cache.discard(cache.save(torch.ones(4, 2), {"feat": torch.ones(4, 3)}, batch))
 
 
+REFUSALS = {
+    # A leftover that cannot be copied, in a step whose keys all look new.
+    "uncopyable leftover": (
+        None,
+        {},
+        lambda: (
+            torch.zeros(4, 2, dtype=torch.float64),
+            {"feat": torch.zeros(4, 5), "later": torch.zeros(2), "lock": threading.Lock()},
+        ),
+    ),
+    # Deferred rows over the device budget (128 bytes for 64).
+    "deferred rows over the device budget": (
+        CachePolicy(deferred_keys={"feat"}),
+        {"device_budget_bytes": 64},
+        lambda: (torch.zeros(4, 2, dtype=torch.float64), {"feat": torch.zeros(4, 8), "later": torch.zeros(2)}),
+    ),
+}
+
+
+@pytest.mark.parametrize("refusal", sorted(REFUSALS))
+def test_a_refused_save_classifies_nothing_so_a_corrected_retry_is_cached(refusal: str) -> None:
+    """A save refused for its input registers none of its keys or leftover names: the retry, with
+    other row shapes, dtypes and a name that was leftover there now per-token, is cached as it
+    is, and a later hit gets those rows back; the refused step's keys get no pool storage."""
+    policy, overrides, refused_step = REFUSALS[refusal]
+    with small_cache(policy=policy, **overrides) as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        batch = StepBatch(["a"], [4], slots_of([0, 1], 0, 4, BS))
+        hidden, mm = refused_step()
+        with pytest.raises(InvalidInputError):
+            cache.save(hidden, mm, batch)
+        stats = cache.stats()
+        assert (stats.pool_bytes, stats.steps_outstanding, stats.tasks_live) == ({}, [], 0)
+        rows = {"hidden": encoded(0, 4, (2,), torch.float32, 1), "feat": encoded(0, 4, (2,), torch.float32, 2)}
+        later = encoded(0, 4, (), torch.int32, 3)
+        sid = cache.save(rows["hidden"], {"feat": rows["feat"], "later": later}, batch)
+        out = cache.materialize(sid, ["a"])
+        assert torch.equal(out.hidden["a"], rows["hidden"]) and torch.equal(out.mm["feat"]["a"], rows["feat"])
+        cache.begin_step(StepEvents(new=[NewRequest("b", [0, 2], num_computed_tokens=4)], finished=["a"]))
+        b_hidden, b_feat, b_later = (
+            encoded(4, 1, (2,), torch.float32, 4),
+            encoded(4, 1, (2,), torch.float32, 5),
+            encoded(4, 1, (), torch.int32, 6),
+        )
+        sid = cache.save(
+            b_hidden, {"feat": b_feat, "later": b_later}, StepBatch(["b"], [1], slots_of([0, 2], 4, 1, BS))
+        )
+        out = cache.materialize(sid, ["b"])
+        assert torch.equal(out.hidden["b"], torch.cat([rows["hidden"], b_hidden]))
+        assert torch.equal(out.mm["feat"]["b"], torch.cat([rows["feat"], b_feat]))
+        assert torch.equal(out.mm["later"]["b"], torch.cat([later, b_later]))
+        assert sorted(cache.stats().pool_bytes) == ["feat", "hidden", "later"]
+
+
 def test_a_key_first_seen_as_leftover_stays_leftover() -> None:
     with small_cache() as cache:
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))

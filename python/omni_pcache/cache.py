@@ -47,7 +47,7 @@ from omni_pcache.errors import (
 )
 from omni_pcache.events import NewRequest, ResumedRequest, StepBatch, StepEvents, StepOutputs
 from omni_pcache.failure import release_everything, write_failed_error
-from omni_pcache.keys import KeyRegistry, StepKeys
+from omni_pcache.keys import KeyRegistry, StepKeys, row_bytes
 from omni_pcache.outputs import OutputBuilder, StepRecord
 from omni_pcache.pages import StagingPages
 from omni_pcache.pool import HostPool
@@ -254,20 +254,22 @@ class PrefixCache:
         """
         self._check_usable()
         shape = check_batch(batch, self._config)
-        cached, leftover = self._keys.classify(hidden, {} if mm is None else mm, shape.n, shape.n_padded)
+        rows, leftover = self._keys.classify(hidden, {} if mm is None else mm, shape.n, shape.n_padded)
         deferred_names = self._policy.deferred_keys
         if deferred_names:
-            self._deferred.check_fits(
-                {name: cached[name][0].row_bytes * shape.n for name in deferred_names & cached.keys()}
-            )
-        keys = self._keys.step_keys(cached, self._make_room)  # (the same key set every step: one lookup)
-        specs, immediate, deferred = keys.specs, keys.immediate, keys.deferred
+            self._deferred.check_fits({name: row_bytes(rows[name]) * shape.n for name in deferred_names & rows.keys()})
         step_id, page = self._steps.issue()
         handle: CopyHandle | None = None
         now = False  # (save writes the step to the pool itself, holding the writer's lock)
         arrays: dict[str, Any] | None = None
         try:
             copy = self._copies.start()
+            # Leftovers first: one that cannot be copied refuses the step before its keys are
+            # registered, so a corrected retry is classified afresh (`KeyRegistry.register`).
+            kept_leftover = {name: snapshot(value, copy, name) for name, value in leftover.items()}
+            cached = self._keys.register(rows, leftover, shape.n)
+            keys = self._keys.step_keys(cached, self._make_room)  # (the same key set every step: one lookup)
+            specs, immediate, deferred = keys.specs, keys.immediate, keys.deferred
             sources: dict[str, torch.Tensor] = {}  # the caller's CPU rows, per immediate key
             staged: dict[str, torch.Tensor] = {}  # the step's rows, per immediate key: page views or own copies
             for spec in immediate:
@@ -289,7 +291,6 @@ class PrefixCache:
                     copy.copy(dst, src)
             else:  # materialize reads the step's own copies, never the caller's tensors
                 sources = {}
-            kept_leftover = {name: snapshot(value, copy, name) for name, value in leftover.items()}
             handle = copy.finish()
             clones = self._deferred.clone_step(deferred, cached, shape)  # charges only if it returns
         except BaseException as exc:  # a leftover that cannot be copied, no device budget in time, ...

@@ -4,13 +4,17 @@ A per-token key has dim 0 equal to the step's token count (padded or not) and a 
 shape and dtype. With discovery on (``CachePolicy.token_keys is None``) each name is
 classified once, on the first step that shows it; an explicit ``token_keys`` set turns
 discovery off. A later step whose tensor breaks a key's classification raises
-`InvalidInputError` before anything is written.
+`InvalidInputError` before anything is written. Classifying a step (`classify`) only checks
+it; its new keys and leftover names are remembered by `register`, which `PrefixCache.save`
+calls once nothing can refuse the step for its input any more, so a refused step leaves the
+classification as it was (a corrected retry is classified afresh).
 
 Engine thread only (called from `PrefixCache.save`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +66,11 @@ class StepKeys:
     omitted: tuple[KeySpec, ...] = ()
 
 
+def row_bytes(rows: torch.Tensor) -> int:
+    """Bytes of one row (a slice along dim 0) of ``rows``: what its key's spec would record."""
+    return math.prod(rows.shape[1:]) * rows.element_size()
+
+
 def _what(name: str) -> str:
     """How an error message names a key."""
     return "hidden states" if name == HIDDEN else f"mm key {name!r}"
@@ -104,11 +113,10 @@ class KeyRegistry:
             self._step_keys.clear()  # (their `omitted` keys are made again with this one)
         return spec
 
-    def classify(
-        self, hidden: Any, mm: dict[str, Any], n: int, n_padded: int
-    ) -> tuple[dict[str, tuple[KeySpec, torch.Tensor]], dict[str, Any]]:
-        """Splits a step's outputs into per-token keys ``{name: (spec, tensor)}`` and leftover
-        ``{name: value}``. Checks everything before registering anything new."""
+    def classify(self, hidden: Any, mm: dict[str, Any], n: int, n_padded: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Splits a step's outputs into per-token rows ``{name: tensor}`` and leftover
+        ``{name: value}``, checked against the keys registered so far. Registers nothing (see
+        `register`)."""
         if not isinstance(mm, dict):
             raise InvalidInputError(f"mm must be a dict of name -> value, got {type(mm).__name__}")
         cached: dict[str, Any] = {}
@@ -117,7 +125,8 @@ class KeyRegistry:
             if hidden is None:
                 raise InvalidInputError("hidden states are None but CachePolicy.cache_hidden is True")
             self._check(HIDDEN, hidden, n, n_padded, self._specs.get(HIDDEN))
-            cached[HIDDEN] = hidden
+            # (rows that require grad are copied without their graph: the cache keeps values only)
+            cached[HIDDEN] = hidden.detach() if hidden.requires_grad else hidden
         token_keys = self._policy.token_keys
         for name, value in mm.items():
             if not isinstance(name, str):
@@ -134,17 +143,20 @@ class KeyRegistry:
                 per_token = n > 0 and _is_per_token(value, n, n_padded)
             if per_token:
                 self._check(name, value, n, n_padded, self._specs.get(name))
-                cached[name] = value
+                cached[name] = value.detach() if value.requires_grad else value
             else:
                 leftover[name] = value
-        if leftover and token_keys is None and n > 0:
+        return cached, leftover
+
+    def register(
+        self, cached: dict[str, torch.Tensor], leftover: dict[str, Any], n: int
+    ) -> dict[str, tuple[KeySpec, torch.Tensor]]:
+        """Remembers a classified step's new keys (each registered in the ledger) and, with
+        discovery on, its new leftover names; returns its rows as ``{name: (spec, tensor)}``."""
+        if leftover and self._policy.token_keys is None and n > 0:
             self._leftover.update(k for k in leftover if k not in self._specs)
-        # (rows that require grad are copied without their graph: the cache keeps values only)
         specs = self._specs
-        return {
-            name: (specs.get(name) or self._spec_for(name, t), t.detach() if t.requires_grad else t)
-            for name, t in cached.items()
-        }, leftover
+        return {name: (specs.get(name) or self._spec_for(name, t), t) for name, t in cached.items()}
 
     def step_keys(self, cached: dict[str, tuple[KeySpec, Any]], prepare: Callable[[StepKeys], None]) -> StepKeys:
         """The `StepKeys` of a step's cached keys (`classify`'s first result). A key set seen
