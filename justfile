@@ -25,8 +25,9 @@ test: setup
     just develop
     python -m pytest -m "not slow" -q
 
-# Run the slow cases too (larger hypothesis budgets, longer soaks).
+# Run the slow cases too (larger hypothesis and proptest budgets, longer soaks).
 test-slow: setup develop
+    PROPTEST_CASES=20000 cargo test -p pcache-core --release --quiet --test prop_ledger --test prop_task_state
     HYPOTHESIS_PROFILE=slow python -m pytest -q
 
 # The main job: the embedded engine with and without the cache, checked against each other.

@@ -95,6 +95,20 @@ def test_unknown_key_task_and_read(ledger: Ledger) -> None:
         ledger.captured_versions(plan.read_id)  # (released: its versions are gone with it)
 
 
+def test_a_batch_commit_with_an_unknown_or_repeated_task_commits_none_of_it(ledger: Ledger) -> None:
+    ledger.claim([5, 6], 0, task_id=2)
+    ledger.claim([7], 0, task_id=3)
+    before = snapshot(ledger)
+    with pytest.raises(InvalidInputError, match=r"unknown task#77"):
+        ledger.commit_many([2, 77, 3])
+    with pytest.raises(InvalidInputError, match=r"task#3 is listed twice in one commit"):
+        ledger.commit_many([3, 2, 3])
+    with pytest.raises(InvalidInputError, match=r"offset -1 of task#2 is out of range"):
+        ledger.owned_many([2], 0, [-1])
+    assert snapshot(ledger) == before
+    assert ledger.commit_many([3, 2]) == 3 and ledger.num_tasks == 0
+
+
 def test_lists_and_int32_arrays_are_accepted(ledger: Ledger) -> None:
     plan = ledger.plan_read([0, 9], 0)
     assert plan.sources.tolist() == [SOURCE_POOL, SOURCE_ABSENT]

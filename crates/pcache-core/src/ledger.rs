@@ -408,9 +408,20 @@ impl Ledger {
         self.settle(task, OWNER_POOL)
     }
 
-    /// Commits several tasks in order (one writer batch), stopping at the first error.
-    /// Returns how many slots were committed in all.
+    /// Commits several tasks in order (one writer batch). Returns how many slots were
+    /// committed in all. Refused as a whole (nothing committed) when a task is unknown or
+    /// listed twice.
     pub fn commit_many(&mut self, tasks: &[TaskId]) -> Result<usize> {
+        if let Some(&task) = tasks.iter().find(|t| !self.tasks.contains_key(t)) {
+            return Err(Error::UnknownTask { task });
+        }
+        let mut sorted = tasks.to_vec();
+        sorted.sort_unstable();
+        if let Some(pair) = sorted.windows(2).find(|pair| pair[0] == pair[1]) {
+            return Err(Error::InvalidInput {
+                what: format!("{} is listed twice in one commit", pair[0]),
+            });
+        }
         tasks.iter().try_fold(0, |n, &t| Ok(n + self.commit(t)?))
     }
 
@@ -426,6 +437,16 @@ impl Ledger {
         if tasks.len() != offsets.len() {
             return Err(Error::InvalidInput {
                 what: format!("{} tasks but {} offsets", tasks.len(), offsets.len()),
+            });
+        }
+        // A task's positions are below `num_slots`: these offsets cannot overflow them.
+        let most = i64::MAX - i64::from(self.num_slots);
+        if let Some(i) = offsets.iter().position(|&o| !(0..=most).contains(&o)) {
+            return Err(Error::InvalidInput {
+                what: format!(
+                    "offset {} of {} is out of range [0, {most}]",
+                    offsets[i], tasks[i]
+                ),
             });
         }
         let (mut positions, mut slots) = (Vec::new(), Vec::new());

@@ -35,6 +35,49 @@ fn owned_many_concatenates_shifted_positions_and_skips_stolen_rows() {
 }
 
 #[test]
+fn commit_many_is_refused_as_a_whole_for_an_unknown_or_repeated_task() {
+    let (mut l, k) = ledger_with_key();
+    l.claim(&[4i64, 5], k, T1).unwrap();
+    l.claim(&[6i64], k, T2).unwrap();
+    let before = l.peek(&[4i64, 5, 6], k).unwrap();
+    assert_eq!(
+        l.commit_many(&[T1, TaskId(9), T2]),
+        Err(Error::UnknownTask { task: TaskId(9) })
+    );
+    let err = l.commit_many(&[T2, T1, T2]).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "invalid input: task#2 is listed twice in one commit"
+    );
+    assert_eq!(
+        l.peek(&[4i64, 5, 6], k).unwrap(),
+        before,
+        "nothing committed"
+    );
+    assert_eq!(l.num_tasks(), 2);
+    assert_eq!(l.commit_many(&[T2, T1]).unwrap(), 3);
+    assert_eq!(l.num_tasks(), 0);
+}
+
+#[test]
+fn owned_many_refuses_offsets_that_are_negative_or_could_overflow_a_position() {
+    let (mut l, k) = ledger_with_key();
+    l.claim(&[4i64, 5], k, T1).unwrap();
+    let most = i64::MAX - 64;
+    for offset in [-1, most + 1, i64::MAX, i64::MIN] {
+        let err = l.owned_many(&[T1], k, &[offset]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!("invalid input: offset {offset} of task#1 is out of range [0, {most}]")
+        );
+    }
+    assert_eq!(
+        l.owned_many(&[T1], k, &[most]).unwrap(),
+        (vec![most, most + 1], vec![4, 5])
+    );
+}
+
+#[test]
 fn a_read_plan_summarises_its_sources() {
     let (mut l, k) = ledger_with_key();
     l.claim(&[1i64, 2], k, T1).unwrap();

@@ -348,7 +348,8 @@ fn ops() -> impl Strategy<Value = Vec<Op>> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    // 256 cases, or PROPTEST_CASES when set (`just test-slow`).
+    #![proptest_config(ProptestConfig::default())]
 
     #[test]
     fn ledger_agrees_with_the_model(ops in ops(), size in proptest::sample::select(&BLOCK_SIZES[..])) {

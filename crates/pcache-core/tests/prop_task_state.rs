@@ -120,8 +120,17 @@ fn cell_op() -> impl Strategy<Value = CellOp> {
     ]
 }
 
+/// 512 cases, or PROPTEST_CASES when set (`just test-slow`).
+fn config() -> ProptestConfig {
+    let mut config = ProptestConfig::default(); // (reads PROPTEST_CASES)
+    if std::env::var_os("PROPTEST_CASES").is_none() {
+        config.cases = 512;
+    }
+    config
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+    #![proptest_config(config())]
 
     #[test]
     fn task_state_cell_agrees_with_the_model(ops in prop::collection::vec(cell_op(), 1..40)) {
@@ -315,7 +324,7 @@ fn queue_op() -> impl Strategy<Value = QueueOp> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+    #![proptest_config(config())]
 
     #[test]
     fn copy_queues_pop_in_lane_order_each_task_once(ops in prop::collection::vec(queue_op(), 1..50)) {
