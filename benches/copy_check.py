@@ -1,10 +1,11 @@
 """A small device→host copy check for `just gpu-check`: the cache's save path vs a raw pinned
 non-blocking copy of the same bytes. Prints one line per size and writes
-benches/results/copy_check.json. Times are medians of wall-clock per step."""
+benches/results/copy_check.json (``--out``), with the machine, device and command. Times are
+medians of wall-clock per step."""
 
 from __future__ import annotations
 
-import json
+import argparse
 import statistics
 import sys
 import time
@@ -14,6 +15,9 @@ import numpy as np
 import torch
 
 from omni_pcache import CacheConfig, NewRequest, PrefixCache, StepBatch, StepEvents
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import RESULTS, command, machine, write
 
 
 def median_time(fn, repeat: int = 20) -> float:
@@ -63,7 +67,10 @@ def measure(tokens: int, width: int = 2048) -> dict[str, float]:
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=RESULTS / "copy_check.json")
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("copy_check: no CUDA device; nothing to measure")
         return 0
@@ -76,9 +83,15 @@ def main() -> int:
             f"save step {row['save_step_gbps']:.1f} GB/s, "
             f"engine-thread save {row['engine_thread_save_us']:.0f} us"
         )
-    out = Path(__file__).parent / "results" / "copy_check.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": results}, indent=2))
+    doc = {
+        "bench": "copy_check",
+        "machine": machine(),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "command": command(),
+        "results": results,
+    }
+    write(args.out, doc)
     return 0
 
 

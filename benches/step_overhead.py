@@ -22,6 +22,14 @@ bookkeeping), beside that gather run in omni_pcache's own step loop in place of 
 them), and the ratios ours/theirs. Both sides' outputs are
 checked against the expected full-sequence rows on a few steps (a wrong answer fails the run).
 
+Each step runs as an engine runs it: begin, the forward, save, then materialize on the same
+thread. The forward is ``--forward-ms`` of GIL-releasing torch work that sweeps more memory
+than the caches hold (`save_overhead.busy_forward`; untimed), run at 0 and 5 ms by default:
+during it vLLM-Omni's prefetch thread gathers the hits' prefix rows and omni_pcache's committer
+writes the previous step, and after it both sides' calls run cold, as after a real forward.
+``--malloc-reuse`` reruns the script under glibc settings that reuse freed blocks over 32 MiB
+(`MALLOC_REUSE`), which changes the 8,192-token figures of both sides.
+
 vLLM-Omni 0.30.0 is built as its own unit tests build it: ``OmniPrefixCacheManager(config,
 view, eager=True)`` with a duck-typed group view, imported without vLLM (its package
 ``__init__`` imports vLLM, so the parent packages are registered as bare namespaces first,
@@ -41,6 +49,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
+import os
 import statistics
 import sys
 import time
@@ -56,6 +65,7 @@ from omni_pcache import CacheConfig, NewRequest, PrefixCache, StepBatch, StepEve
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import RESULTS, command, machine, write
+from save_overhead import busy_forward
 
 BLOCK = 16
 NUM_REQS = 8
@@ -179,10 +189,12 @@ class Ours:
             CacheConfig(num_blocks=num_blocks, block_size=BLOCK, staging_depth=4, staging_capacity_tokens=capacity)
         )
 
-    def step(self, st: Step, hidden: torch.Tensor, mm: torch.Tensor) -> Any:
+    def begin(self, st: Step) -> None:
         self.cache.begin_step(
             StepEvents(new=[NewRequest(r.req_id, r.blocks, r.hit) for r in st.reqs], finished=st.finished)
         )
+
+    def save(self, st: Step, hidden: torch.Tensor, mm: torch.Tensor) -> Any:
         return self.cache.save(
             hidden, {MM_KEY: mm}, StepBatch([r.req_id for r in st.reqs], [r.count for r in st.reqs], st.slots)
         )
@@ -247,7 +259,7 @@ class Theirs:
         )
         self.mgr = pc.OmniPrefixCacheManager(config, self.view, eager=True)
 
-    def step(self, st: Step, hidden: torch.Tensor, mm: torch.Tensor) -> Any:
+    def begin(self, st: Step) -> None:
         self.view.order = [r.req_id for r in st.reqs]
         self.view.slots = torch.from_numpy(st.slots)
         sched = types.SimpleNamespace(
@@ -258,6 +270,8 @@ class Theirs:
             num_scheduled_tokens={r.req_id: r.count for r in st.reqs},
         )
         self.mgr.new_step_starts(sched)
+
+    def save(self, st: Step, hidden: torch.Tensor, mm: torch.Tensor) -> Any:
         n = st.n
         return self.mgr.save_outputs(hidden, {MM_KEY: mm}, num_tokens_unpadded=n, num_tokens_padded=n)
 
@@ -281,10 +295,26 @@ def steps_to_wrap(step_tokens: int, num_blocks: int, prefix_tokens: int) -> int:
     return -(-ring // fresh_per_step)
 
 
-def run_side(side: Any, warm: Step, steps: list[Step], rows: Rows, checks: int, warmup: int) -> dict[str, float]:
-    """Runs every step through ``side``; the first ``warmup`` are not measured (`steps_to_wrap`)."""
+def saved_step(side: Any, st: Step, h: torch.Tensor, m: torch.Tensor, forward_ms: float) -> tuple[Any, float]:
+    """One step as an engine runs it: begin, the forward (``forward_ms`` of `busy_forward`,
+    untimed), save. Returns the step id and the seconds spent in begin and save."""
+    t0 = time.perf_counter()
+    side.begin(st)
+    t1 = time.perf_counter()
+    if forward_ms:
+        busy_forward(forward_ms)
+    t2 = time.perf_counter()
+    sid = side.save(st, h, m)
+    return sid, (t1 - t0) + (time.perf_counter() - t2)
+
+
+def run_side(
+    side: Any, warm: Step, steps: list[Step], rows: Rows, checks: int, warmup: int, forward_ms: float
+) -> dict[str, float]:
+    """Runs every step through ``side`` (`saved_step`, then materialize on the same thread);
+    the first ``warmup`` are not measured (`steps_to_wrap`)."""
     h, m = rows.step(warm)
-    sid = side.step(warm, h, m)
+    sid, _ = saved_step(side, warm, h, m, forward_ms)
     side.materialize(sid, warm)
     engine_s, mat_s, mat_bytes = [], [], []
     measured = len(steps) - warmup
@@ -294,12 +324,11 @@ def run_side(side: Any, warm: Step, steps: list[Step], rows: Rows, checks: int, 
     try:
         for i, st in enumerate(steps):
             h, m = rows.step(st)
-            t0 = time.perf_counter()
-            sid = side.step(st, h, m)
+            sid, engine = saved_step(side, st, h, m, forward_ms)
             t1 = time.perf_counter()
             got_h, got_m = side.materialize(sid, st)
             t2 = time.perf_counter()
-            engine_s.append(t1 - t0)
+            engine_s.append(engine)
             mat_s.append(t2 - t1)
             mat_bytes.append(sum(t.numel() * t.element_size() for d in (got_h, got_m) for t in d.values()))
             if i in check_at:
@@ -386,12 +415,19 @@ def gather_reference(
 
 
 def gather_in_loop_reference(
-    num_blocks: int, capacity: int, width: int, warm: Step, steps: list[Step], rows: Rows, warmup: int
+    num_blocks: int,
+    capacity: int,
+    width: int,
+    warm: Step,
+    steps: list[Step],
+    rows: Rows,
+    warmup: int,
+    forward_ms: float,
 ) -> tuple[float, int]:
     """Median seconds, and bytes returned, of `torch_gather` as in `gather_reference`, run in
     omni_pcache's own step loop in place of its materialize: each
-    measured step is saved by a fresh cache (whose committer writes it meanwhile, as in
-    `run_side`), then gathered from a torch pool of the cache's size holding the shared
+    measured step is saved by a fresh cache (with the same forward, whose committer writes it
+    meanwhile, as in `run_side`), then gathered from a torch pool of the cache's size holding the shared
     prefixes, then discarded. What gathering costs in the step loop on this machine (the
     step's writes and the engine thread's save leave the caches as a real materialize finds
     them); no bookkeeping."""
@@ -406,11 +442,11 @@ def gather_in_loop_reference(
     gc.collect()
     gc.disable()  # (as in run_side)
     try:
-        side.materialize(side.step(warm, *rows.step(warm)), warm)
+        side.materialize(saved_step(side, warm, *rows.step(warm), forward_ms)[0], warm)
         for st in steps:
             index = torch.from_numpy(hit_slots_of(st))
             own_rows = rows.step(st)
-            sid = side.step(st, *own_rows)
+            sid, _ = saved_step(side, st, *own_rows, forward_ms)
             t0 = time.perf_counter()
             outs = torch_gather(index, pools, list(own_rows))
             times.append(time.perf_counter() - t0)
@@ -433,6 +469,92 @@ def hit_slots_of(st: Step) -> np.ndarray:
     return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
 
+MALLOC_REUSE = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
+"""glibc settings under which a freed block over 32 MiB is reused rather than unmapped
+(``--malloc-reuse``): by default glibc maps each allocation over its 32 MiB mmap-threshold
+ceiling afresh, so a new output tensor that large pays a page fault per 4 KiB written
+(vLLM-Omni's materialize at 8,192 tokens returns one 42 MB tensor per step; omni_pcache's
+output chunks stay under 16 MiB). Tuning glibc is the user's choice, so the default run keeps
+glibc's defaults and this one shows what that choice is worth to each side."""
+
+
+def torch_references(
+    step_bytes: int, mat_bytes: int, num_blocks: int, width: int, size: int, hit_slots: np.ndarray
+) -> dict[str, Any]:
+    """The plain torch references of one step size: copies of the step's and of materialize's
+    bytes, the latter also into new memory, and `gather_reference`."""
+    copy_step = copy_reference(step_bytes, 30)
+    copy_mat = copy_reference(mat_bytes, 30)
+    fresh_mat = fresh_copy_reference(mat_bytes, 30)
+    gather_s, gather_bytes = gather_reference(num_blocks * BLOCK, width, hit_slots, size, 30)
+    torch_copy = {
+        "step_bytes_us": copy_step * 1e6,
+        "step_bytes_gbps": step_bytes / copy_step / 1e9,
+        "materialize_bytes_us": copy_mat * 1e6,
+        "materialize_bytes_gbps": mat_bytes / copy_mat / 1e9,
+        "materialize_bytes_into_new_memory_us": fresh_mat * 1e6,
+        "materialize_bytes_into_new_memory_gbps": mat_bytes / fresh_mat / 1e9,
+    }
+    return {"torch_copy": torch_copy, "torch_gather": gathered(gather_s, gather_bytes, torch_copy)}
+
+
+def gathered(seconds: float, nbytes: int, torch_copy: dict[str, float]) -> dict[str, float]:
+    """A gather reference's figures, its bandwidth also as a share of the plain copy's."""
+    gbps = nbytes / seconds / 1e9
+    return {
+        "bytes": nbytes,
+        "us": seconds * 1e6,
+        "gbps": gbps,
+        "vs_copy_bandwidth": gbps / torch_copy["materialize_bytes_gbps"],
+    }
+
+
+def with_ratios(row: dict[str, Any]) -> dict[str, Any]:
+    """Adds each side's bandwidth as a share of the references', and ours/theirs."""
+    ours = row["omni_pcache"]
+    copy_gbps = row["torch_copy"]["materialize_bytes_gbps"]
+    ours["materialize_vs_copy_bandwidth"] = ours["materialize_gbps"] / copy_gbps
+    ours["materialize_vs_gather_bandwidth"] = ours["materialize_gbps"] / row["torch_gather"]["gbps"]
+    ours["materialize_vs_gather_in_loop_bandwidth"] = ours["materialize_gbps"] / row["torch_gather_in_loop"]["gbps"]
+    if "vllm_omni" in row:
+        theirs = row["vllm_omni"]
+        theirs["materialize_vs_copy_bandwidth"] = theirs["materialize_gbps"] / copy_gbps
+        row["ratio_ours_over_theirs"] = {
+            "engine_thread": ours["engine_thread_us"] / theirs["engine_thread_us"],
+            "materialize": ours["materialize_us"] / theirs["materialize_us"],
+        }
+    return row
+
+
+def summary(row: dict[str, Any]) -> str:
+    """One printed line per step size and forward."""
+    ours = row["omni_pcache"]
+    line = (
+        f"{row['step_tokens']:>5} tok, forward {row['forward_ms']:g} ms: omni_pcache engine "
+        f"{ours['engine_thread_us']:>8.0f} us, materialize {ours['materialize_us']:>7.0f} us"
+        f" ({ours['materialize_gbps']:.2f} GB/s)"
+    )
+    if "vllm_omni" in row:
+        t = row["vllm_omni"]
+        r = row["ratio_ours_over_theirs"]
+        line += (
+            f" | vllm_omni engine {t['engine_thread_us']:>8.0f} us, materialize {t['materialize_us']:>7.0f} us"
+            f" ({t['materialize_gbps']:.2f} GB/s) | ours/theirs engine {r['engine_thread']:.3f},"
+            f" materialize {r['materialize']:.3f}"
+        )
+    return line + (
+        f" | torch copy: step {row['torch_copy']['step_bytes_us']:.0f} us,"
+        f" {row['torch_copy']['materialize_bytes_gbps']:.2f} GB/s"
+        f" ({row['torch_copy']['materialize_bytes_into_new_memory_gbps']:.2f} GB/s into new memory)"
+        f" | torch gather of the same rows: {row['torch_gather']['gbps']:.2f} GB/s"
+        f" ({row['torch_gather']['vs_copy_bandwidth']:.0%} of the copy; ours"
+        f" {ours['materialize_vs_gather_bandwidth']:.0%} of it)"
+        f" | that gather in our step loop: {row['torch_gather_in_loop']['gbps']:.2f} GB/s"
+        f" ({row['torch_gather_in_loop']['vs_copy_bandwidth']:.0%} of the copy; ours"
+        f" {ours['materialize_vs_gather_in_loop_bandwidth']:.0%} of it)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test): width 64, short steps")
@@ -441,9 +563,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sizes", type=int, nargs="+", default=None, help="step sizes in tokens (default 512 2048 8192)"
     )
+    parser.add_argument(
+        "--forward-ms",
+        type=float,
+        action="append",
+        default=None,
+        help="ms of GIL-releasing torch work between begin and save, as a forward (default: 0 and 5)",
+    )
+    parser.add_argument(
+        "--malloc-reuse",
+        action="store_true",
+        help="rerun under glibc settings that reuse freed blocks over 32 MiB (see MALLOC_REUSE)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "step_overhead.json")
     args = parser.parse_args(argv)
+    if args.malloc_reuse and any(os.environ.get(k) != v for k, v in MALLOC_REUSE.items()):
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_REUSE})
     torch.set_num_threads(1)
+    forwards = args.forward_ms or [0.0, 5.0]
 
     if args.quick:
         sizes, width, num_blocks, prefix_tokens, default_steps = (64, 256), 64, 256, 32, 6
@@ -465,79 +603,32 @@ def main(argv: list[str] | None = None) -> int:
         warm, steps = make_steps(size, warmup + num_steps, num_blocks, prefix_tokens, max_tokens)
         capacity = max(size, warm.n)
         step_bytes = size * (width * torch.finfo(HIDDEN_DTYPE).bits // 8 + MM_WIDTH * 4)
-        row: dict[str, Any] = {"step_tokens": size, "step_bytes": step_bytes, "warmup_steps": warmup}
-        sides = [Ours(num_blocks, capacity)]
-        if pc is not None:
-            sides.append(Theirs(pc, num_blocks, capacity))
-        for side in sides:
-            try:
-                row[side.name] = run_side(side, warm, steps, rows, checks=3, warmup=warmup)
-            finally:
-                side.close()
-        mat_bytes = row["omni_pcache"]["materialize_bytes"]
-        copy_step = copy_reference(step_bytes, 30)
-        copy_mat = copy_reference(mat_bytes, 30)
-        fresh_mat = fresh_copy_reference(mat_bytes, 30)
-        gather_s, gather_bytes = gather_reference(num_blocks * BLOCK, width, hit_slots_of(steps[-1]), size, 30)
-        in_loop_s, in_loop_bytes = gather_in_loop_reference(num_blocks, capacity, width, warm, steps, rows, warmup)
-        row["torch_copy"] = {
-            "step_bytes_us": copy_step * 1e6,
-            "step_bytes_gbps": step_bytes / copy_step / 1e9,
-            "materialize_bytes_us": copy_mat * 1e6,
-            "materialize_bytes_gbps": mat_bytes / copy_mat / 1e9,
-            "materialize_bytes_into_new_memory_us": fresh_mat * 1e6,
-            "materialize_bytes_into_new_memory_gbps": mat_bytes / fresh_mat / 1e9,
-        }
-        row["torch_gather"] = {
-            "bytes": gather_bytes,
-            "us": gather_s * 1e6,
-            "gbps": gather_bytes / gather_s / 1e9,
-            "vs_copy_bandwidth": gather_bytes / gather_s / (mat_bytes / copy_mat),
-        }
-        row["torch_gather_in_loop"] = {
-            "bytes": in_loop_bytes,
-            "us": in_loop_s * 1e6,
-            "gbps": in_loop_bytes / in_loop_s / 1e9,
-            "vs_copy_bandwidth": in_loop_bytes / in_loop_s / (mat_bytes / copy_mat),
-        }
-        ours = row["omni_pcache"]
-        ours["materialize_vs_copy_bandwidth"] = ours["materialize_gbps"] / row["torch_copy"]["materialize_bytes_gbps"]
-        ours["materialize_vs_gather_bandwidth"] = ours["materialize_gbps"] / row["torch_gather"]["gbps"]
-        ours["materialize_vs_gather_in_loop_bandwidth"] = ours["materialize_gbps"] / row["torch_gather_in_loop"]["gbps"]
-        if "vllm_omni" in row:
-            theirs = row["vllm_omni"]
-            theirs["materialize_vs_copy_bandwidth"] = (
-                theirs["materialize_gbps"] / row["torch_copy"]["materialize_bytes_gbps"]
-            )
-            row["ratio_ours_over_theirs"] = {
-                "engine_thread": ours["engine_thread_us"] / theirs["engine_thread_us"],
-                "materialize": ours["materialize_us"] / theirs["materialize_us"],
+        references: dict[str, Any] | None = None  # (no forward in them: measured once per size)
+        for forward_ms in forwards:
+            row: dict[str, Any] = {
+                "step_tokens": size,
+                "forward_ms": forward_ms,
+                "step_bytes": step_bytes,
+                "warmup_steps": warmup,
             }
-        results.append(row)
-        line = (
-            f"{size:>5} tok: omni_pcache engine {ours['engine_thread_us']:>8.0f} us, "
-            f"materialize {ours['materialize_us']:>7.0f} us ({ours['materialize_gbps']:.2f} GB/s)"
-        )
-        if "vllm_omni" in row:
-            t = row["vllm_omni"]
-            r = row["ratio_ours_over_theirs"]
-            line += (
-                f" | vllm_omni engine {t['engine_thread_us']:>8.0f} us, materialize {t['materialize_us']:>7.0f} us"
-                f" ({t['materialize_gbps']:.2f} GB/s) | ours/theirs engine {r['engine_thread']:.3f},"
-                f" materialize {r['materialize']:.3f}"
+            sides = [Ours(num_blocks, capacity)]
+            if pc is not None:
+                sides.append(Theirs(pc, num_blocks, capacity))
+            for side in sides:
+                try:
+                    row[side.name] = run_side(side, warm, steps, rows, checks=3, warmup=warmup, forward_ms=forward_ms)
+                finally:
+                    side.close()
+            if references is None:
+                mat_bytes = row["omni_pcache"]["materialize_bytes"]
+                references = torch_references(step_bytes, mat_bytes, num_blocks, width, size, hit_slots_of(steps[-1]))
+            row.update(references)
+            in_loop_s, in_loop_bytes = gather_in_loop_reference(
+                num_blocks, capacity, width, warm, steps, rows, warmup, forward_ms
             )
-        line += (
-            f" | torch copy: step {row['torch_copy']['step_bytes_us']:.0f} us,"
-            f" {row['torch_copy']['materialize_bytes_gbps']:.2f} GB/s"
-            f" ({row['torch_copy']['materialize_bytes_into_new_memory_gbps']:.2f} GB/s into new memory)"
-            f" | torch gather of the same rows: {row['torch_gather']['gbps']:.2f} GB/s"
-            f" ({row['torch_gather']['vs_copy_bandwidth']:.0%} of the copy; ours"
-            f" {ours['materialize_vs_gather_bandwidth']:.0%} of it)"
-            f" | that gather in our step loop: {row['torch_gather_in_loop']['gbps']:.2f} GB/s"
-            f" ({row['torch_gather_in_loop']['vs_copy_bandwidth']:.0%} of the copy; ours"
-            f" {ours['materialize_vs_gather_in_loop_bandwidth']:.0%} of it)"
-        )
-        print(line, flush=True)
+            row["torch_gather_in_loop"] = gathered(in_loop_s, in_loop_bytes, row["torch_copy"])
+            results.append(with_ratios(row))
+            print(summary(row), flush=True)
 
     doc = {
         "bench": "step_overhead",
@@ -554,7 +645,10 @@ def main(argv: list[str] | None = None) -> int:
             "hidden": {"dtype": str(HIDDEN_DTYPE), "width": width},
             "mm": {MM_KEY: {"dtype": str(MM_DTYPE), "width": MM_WIDTH}},
             "steps_per_size": num_steps,
+            "forward_ms": forwards,
         },
+        # (what this process runs under: --malloc-reuse has re-executed it with MALLOC_REUSE)
+        "malloc": " ".join(f"{k}={os.environ[k]}" for k in MALLOC_REUSE if k in os.environ) or "glibc defaults",
         "vllm_omni": {
             "version": VLLM_OMNI_VERSION,
             "compared": pc is not None,

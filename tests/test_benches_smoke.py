@@ -34,7 +34,9 @@ STEP_FIELDS = {"engine_thread_us", "materialize_us", "materialize_bytes", "mater
 
 
 def check_step_rows(doc: dict, theirs: bool) -> None:
-    assert [r["step_tokens"] for r in doc["results"]] == [64, 256]
+    # Each size with no forward and with a 5 ms forward between begin and save.
+    assert [(r["step_tokens"], r["forward_ms"]) for r in doc["results"]] == [(64, 0), (64, 5), (256, 0), (256, 5)]
+    assert doc["malloc"] == "glibc defaults"
     for row in doc["results"]:
         assert STEP_FIELDS <= set(row["omni_pcache"])
         assert {"step_bytes_gbps", "materialize_bytes_gbps"} <= set(row["torch_copy"])
@@ -53,6 +55,14 @@ def test_step_overhead_ours_only(tmp_path: Path) -> None:
     doc = run_bench("step_overhead", tmp_path / "s.json", "--no-theirs")
     assert doc["vllm_omni"]["compared"] is False and doc["vllm_omni"]["note"]
     check_step_rows(doc, theirs=False)
+
+
+def test_step_overhead_reruns_itself_under_the_malloc_settings_it_names(tmp_path: Path) -> None:
+    doc = run_bench(
+        "step_overhead", tmp_path / "s.json", "--no-theirs", "--sizes", "64", "--forward-ms", "0", "--malloc-reuse"
+    )
+    assert doc["malloc"] == "MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296"
+    assert [(r["step_tokens"], r["forward_ms"]) for r in doc["results"]] == [(64, 0)]
 
 
 @pytest.mark.skipif(not BENCH_PYTHON.exists(), reason=".venv-bench absent (bash scripts/setup-bench.sh)")

@@ -185,14 +185,16 @@ def test_cuda_leftovers_come_back_on_the_host_even_read_in_place() -> None:
     # must still be waited; a namedtuple's tensors are snapshotted to the host as well.
     with small_cache() as cache:
         cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
-        speaker = torch.arange(1 << 22, dtype=torch.float32, device="cuda")  # 16 MiB: copy takes a while
+        speaker = torch.arange(1 << 22, dtype=torch.float32, device="cuda")  # 16 MiB
         prosody = Prosody(torch.full((3,), 2.0, device="cuda"), "calm")
+        want = torch.arange(1 << 22, dtype=torch.float32)  # (built before: nothing slow after save)
+        torch.cuda._sleep(SLEEP_CYCLES)  # the copies wait behind it: still in flight at materialize
         sid = cache.save(
             torch.ones(4, 2), {"speaker": speaker, "prosody": prosody}, StepBatch(["a"], [4], np.arange(4))
         )
         out = cache.materialize(sid, ["a"])
         got = out.mm["speaker"]["a"]
-        assert got.device.type == "cpu" and torch.equal(got, torch.arange(1 << 22, dtype=torch.float32))
+        assert got.device.type == "cpu" and torch.equal(got, want)
         kept = out.mm["prosody"]["a"]
         assert isinstance(kept, Prosody) and kept.label == "calm"
         assert kept.pitch.device.type == "cpu" and torch.equal(kept.pitch, torch.full((3,), 2.0))
