@@ -503,9 +503,9 @@ class PrefixCache:
         itself is forgotten unpublished), and each stays recorded until reaped here."""
         if not self._records and not self._open_writes:
             return
-        completed = self._tasks.reap_completions()
         forget = self._records.pop
-        with self._cond:
+        with self._cond:  # (the native reap too: a waiter's timeout report asks it for the states)
+            completed = self._tasks.reap_completions()
             for task_id in completed:
                 forget(task_id, None)
             # (checked even when nothing completed now: a step's tasks may have been published
