@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from cachekit import start_thread
 from omni_pcache import (
     SOURCE_ABSENT,
     SOURCE_POOL,
@@ -25,7 +26,7 @@ from omni_pcache import (
     WriteTasks,
     hash_blocks,
 )
-from omni_pcache._native import Deliveries, block_slots, block_table, scatter_rows
+from omni_pcache._native import Deliveries, block_slots, block_table, check_batch, scatter_rows
 
 
 @pytest.fixture
@@ -369,3 +370,60 @@ def test_slots_changed_by_another_thread_during_a_scatter_never_escape_the_check
         thread.join()
     assert set(outcomes) <= {"written", "refused"}
     assert pool.sum() == pool.size * ("written" in outcomes)  # (only checked slots were written)
+
+
+def test_an_index_array_a_native_write_is_writing_meanwhile_is_a_typed_error() -> None:
+    # scatter_rows holds its pool writable without the GIL; an index array over the same memory,
+    # passed to another native call meanwhile, is refused with a typed error, never a panic.
+    base = np.zeros(1 << 22, np.int64)
+    pool = base.view(np.uint8).reshape(-1, 4096)
+    rows, slots = np.ones_like(pool), np.arange(pool.shape[0])[::-1].copy()
+    thread, errors = start_thread(lambda: [scatter_rows(pool, rows, slots) for _ in range(20)])
+    outcomes = set()
+    while thread.is_alive():
+        for call in (lambda: block_table(base[:4], 10), lambda: check_batch(["a"], [4], base[:4], 8, 64)):
+            try:
+                call()
+                outcomes.add("read")
+            except InvalidInputError as err:  # (the ids it reads once written: out of range)
+                outcomes.add("busy" if "cannot be read" in str(err) else "out of range")
+                if "cannot be read" in str(err):
+                    assert "its memory is being written by another thread" in str(err)
+    thread.join()
+    assert errors == [] and "busy" in outcomes
+
+
+def test_batch_calls_on_staging_and_tasks_are_refused_as_a_whole() -> None:
+    staging = StagingSlots(1)
+    staging.claim(("step", 0))
+    staging.hold_many(0, "task", [1, 2])
+    with pytest.raises(InvalidInputError, match=r"task#99 does not hold"):
+        staging.release_many(0, "task", [1, 99])
+    assert staging.holders() == [[("step", 0), ("task", 1), ("task", 2)]]
+    tasks = WriteTasks()
+    done, pending = tasks.create(), tasks.create()
+    tasks.fail(done)
+    with pytest.raises(InvalidInputError, match=rf"task#{pending} is PENDING and cannot complete"):
+        tasks.complete_many([done, pending])
+    with pytest.raises(InvalidInputError, match=rf"task#{done} is listed twice in one completion"):
+        tasks.complete_many([done, done])
+    assert tasks.reap_completions() == []  # nothing was published
+    tasks.complete_many([done])
+    assert tasks.reap_completions() == [done]
+
+
+def test_sizes_and_ids_that_would_overflow_are_typed_errors() -> None:
+    with pytest.raises(ConfigError, match=r"staging takes at most 1048576 slots, got 4611686018427387904"):
+        StagingSlots(2**62)
+    with pytest.raises(InvalidInputError, match=r"at most 16777216 tasks at once"):
+        WriteTasks().create_many(2**61)
+    with pytest.raises(ConfigError, match=r"the first step id must be at most 9223372036854775807"):
+        StepIds(2**63)
+    ids = StepIds(2**63 - 1)
+    assert [ids.issue(), ids.issue()] == [2**63 - 1, 2**63]
+    deliveries = Deliveries(4)
+    deliveries.take_step({"a": (0, 5)})
+    with pytest.raises(InvalidInputError, match=r"request \"a\": 18446744073709551615 rows from position 5"):
+        deliveries.take_step({"a": (0, 2**64 - 1)})
+    rows, _ = deliveries.take_step({"a": (0, 3)})
+    assert rows == {"a": (0, 3, 0)}  # a goes on at position 5: nothing was registered by the refusal

@@ -46,6 +46,9 @@ pub struct Deliveries {
     live: HashMap<String, Delivery>,
 }
 
+/// The pool reads due at a save: `(index of the request in the save's rows, slots)`.
+pub type DueReads = Vec<(usize, Vec<i64>)>;
+
 impl Deliveries {
     /// No live request; tables of blocks of `block_size` positions (refused for 0).
     pub fn new(block_size: u32) -> Result<Self> {
@@ -106,13 +109,25 @@ impl Deliveries {
         Ok(reads)
     }
 
-    /// One save of each request's `(req_id, first_row, count)` rows, in batch order. Returns
-    /// per request its [`StepRows`], and the pool reads due now as `(index of the request in
-    /// `rows`, slots)`. A request never scheduled becomes live at position 0.
+    /// One save of each request's `(req_id, first_row, count)` rows, in batch order (each
+    /// request once). Returns per request its [`StepRows`], and the pool reads due now as
+    /// `(index of the request in `rows`, slots)`. A request never scheduled becomes live at
+    /// position 0. Refused, changing nothing, if a request's positions would pass `usize::MAX`.
     pub fn take_step<'a>(
         &mut self,
         rows: impl IntoIterator<Item = (&'a str, usize, usize)>,
-    ) -> (Vec<StepRows>, Vec<(usize, Vec<i64>)>) {
+    ) -> Result<(Vec<StepRows>, DueReads)> {
+        let rows: Vec<_> = rows.into_iter().collect();
+        for &(req_id, _, count) in &rows {
+            let start = self.live.get(req_id).map_or(0, |state| state.next_pos);
+            if start.checked_add(count).is_none() {
+                return Err(Error::InvalidInput {
+                    what: format!(
+                        "request {req_id:?}: {count} rows from position {start} pass the largest position"
+                    ),
+                });
+            }
+        }
         let mut out = Vec::new();
         let mut reads = Vec::new();
         for (i, (req_id, first_row, count)) in rows.into_iter().enumerate() {
@@ -134,13 +149,33 @@ impl Deliveries {
             state.next_pos = start + count;
             state.delivered = state.delivered.max(state.next_pos);
         }
-        (out, reads)
+        Ok((out, reads))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn positions_that_would_pass_the_largest_are_refused_changing_nothing() {
+        let mut d = Deliveries::new(4).unwrap();
+        d.take_step([("a", 0, 5)]).unwrap();
+        let err = d
+            .take_step([("b", 0, 1), ("a", 5, usize::MAX)])
+            .unwrap_err();
+        assert!(err
+            .to_string()
+            .contains("\"a\": 18446744073709551615 rows from position 5"));
+        let (rows, _) = d.take_step([("a", 0, 3)]).unwrap();
+        assert_eq!(
+            (rows[0].count, rows[0].drop),
+            (3, 0),
+            "a continues at 5: nothing dropped"
+        );
+        let (rows, _) = d.take_step([("b", 0, 2)]).unwrap();
+        assert_eq!(rows[0].drop, 0, "b was not registered by the refused call");
+    }
 
     #[test]
     fn a_block_size_of_zero_is_refused() {
@@ -154,7 +189,7 @@ mod tests {
     fn a_fresh_hit_reads_its_prefix_once_then_gets_each_steps_rows() {
         let mut d = Deliveries::new(4).unwrap();
         assert!(d.schedule("a", &[7, 2, 5], 8).unwrap());
-        let (rows, reads) = d.take_step([("a", 0, 3)]);
+        let (rows, reads) = d.take_step([("a", 0, 3)]).unwrap();
         assert_eq!(reads, vec![(0, vec![28, 29, 30, 31, 8, 9, 10, 11])]);
         assert_eq!(
             rows,
@@ -164,7 +199,7 @@ mod tests {
                 drop: 0
             }]
         );
-        let (rows, reads) = d.take_step([("b", 0, 2), ("a", 2, 1)]);
+        let (rows, reads) = d.take_step([("b", 0, 2), ("a", 2, 1)]).unwrap();
         assert!(reads.is_empty(), "the hit span is read once");
         assert_eq!(
             rows[1],
@@ -181,13 +216,13 @@ mod tests {
     fn a_resumed_request_gets_neither_a_row_twice_nor_a_gap() {
         let mut d = Deliveries::new(4).unwrap();
         d.schedule("a", &[0, 1, 2], 0).unwrap();
-        d.take_step([("a", 0, 10)]); // delivered [0, 10)
-                                     // Preempted, resumed from position 4: rows 4..10 are recomputed but not returned again.
+        d.take_step([("a", 0, 10)]).unwrap(); // delivered [0, 10)
+                                              // Preempted, resumed from position 4: rows 4..10 are recomputed but not returned again.
         assert!(
             !d.schedule("a", &[3, 4, 5], 4).unwrap(),
             "nothing undelivered below 4"
         );
-        let (rows, _) = d.take_step([("a", 0, 8)]);
+        let (rows, _) = d.take_step([("a", 0, 8)]).unwrap();
         assert_eq!(
             rows,
             vec![StepRows {
@@ -199,7 +234,7 @@ mod tests {
         // Resumed past what it was given (12 computed, 12 delivered by now): nothing to read;
         // resumed at 16 of 12 delivered: positions 12..16 come from the pool.
         assert!(d.schedule("a", &[3, 4, 5, 6], 16).unwrap());
-        let (rows, reads) = d.take_step([("a", 0, 1)]);
+        let (rows, reads) = d.take_step([("a", 0, 1)]).unwrap();
         assert_eq!(reads, vec![(0, vec![24, 25, 26, 27])]);
         assert_eq!(rows[0].drop, 0);
     }
@@ -216,9 +251,9 @@ mod tests {
     fn a_request_resumed_exactly_at_its_delivered_span_reads_nothing() {
         let mut d = Deliveries::new(4).unwrap();
         assert!(!d.schedule("a", &[0, 1], 0).unwrap(), "nothing computed");
-        d.take_step([("a", 0, 6)]); // delivered [0, 6)
+        d.take_step([("a", 0, 6)]).unwrap(); // delivered [0, 6)
         assert!(!d.schedule("a", &[3, 4], 6).unwrap(), "6 of 6 delivered");
-        let (rows, reads) = d.take_step([("a", 0, 1)]);
+        let (rows, reads) = d.take_step([("a", 0, 1)]).unwrap();
         assert!(reads.is_empty(), "{reads:?}");
         assert_eq!(rows[0].drop, 0);
     }
@@ -228,14 +263,14 @@ mod tests {
         let mut d = Deliveries::new(4).unwrap();
         assert_eq!(d.block_size(), 4);
         d.schedule("a", &[0, 1], 0).unwrap();
-        d.take_step([("a", 0, 6), ("b", 6, 1)]); // a: delivered [0, 6)
+        d.take_step([("a", 0, 6), ("b", 6, 1)]).unwrap(); // a: delivered [0, 6)
         assert_eq!((d.len(), d.is_empty()), (2, false));
         assert!(d.finish("a"));
         assert!(!d.is_live("a") && d.len() == 1);
         assert!(!d.finish("a"), "already forgotten");
         // The same id again is a new request: its whole computed span comes from the pool.
         assert!(d.schedule("a", &[5, 6], 6).unwrap());
-        let (rows, reads) = d.take_step([("a", 0, 2)]);
+        let (rows, reads) = d.take_step([("a", 0, 2)]).unwrap();
         assert_eq!(reads, vec![(0, vec![20, 21, 22, 23, 24, 25])]);
         assert_eq!(rows[0].drop, 0);
     }

@@ -49,12 +49,20 @@ pub struct StagingSlots {
     freed: Condvar,
 }
 
+/// Most staging slots a ring takes (each is one step's page; the cache's config allows 1,024).
+pub const MAX_STAGING_SLOTS: usize = 1 << 20;
+
 impl StagingSlots {
-    /// `num_slots` free slots; zero is refused.
+    /// `num_slots` free slots; zero, or more than [`MAX_STAGING_SLOTS`], is refused.
     pub fn new(num_slots: usize) -> Result<Self> {
         if num_slots == 0 {
             return Err(Error::InvalidConfig {
                 what: "staging needs at least one slot".into(),
+            });
+        }
+        if num_slots > MAX_STAGING_SLOTS {
+            return Err(Error::InvalidConfig {
+                what: format!("staging takes at most {MAX_STAGING_SLOTS} slots, got {num_slots}"),
             });
         }
         Ok(Self {
@@ -134,6 +142,43 @@ impl StagingSlots {
         Ok(())
     }
 
+    /// Adds several holders to a busy slot at once (all, or none when refused).
+    pub fn hold_many(&self, slot: usize, holders: &[Holder]) -> Result<()> {
+        let mut g = self.inner.lock();
+        Self::check_slot(&g, slot)?;
+        if g.closed {
+            return Err(Error::StagingClosed);
+        }
+        g.holders[slot].extend_from_slice(holders);
+        Ok(())
+    }
+
+    /// Removes several holders from a slot at once. Returns whether the slot became free (and
+    /// wakes waiters if so). Refused, changing nothing, if one of them does not hold the slot
+    /// (a holder listed twice must hold it twice).
+    pub fn release_many(&self, slot: usize, holders: &[Holder]) -> Result<bool> {
+        let mut g = self.inner.lock();
+        Self::check_slot(&g, slot)?;
+        let mut left = g.holders[slot].clone();
+        for &holder in holders {
+            let Some(i) = left.iter().position(|h| *h == holder) else {
+                return Err(Error::NotAHolder {
+                    slot,
+                    holder,
+                    holders: g.holders[slot].clone(),
+                });
+            };
+            left.swap_remove(i);
+        }
+        let freed = left.is_empty() && !holders.is_empty();
+        g.holders[slot] = left;
+        drop(g);
+        if freed {
+            self.freed.notify_all();
+        }
+        Ok(freed)
+    }
+
     /// Removes one holder from a slot. Returns whether the slot became free (and wakes
     /// waiters if so). Refused, changing nothing, if `holder` does not hold the slot.
     pub fn release(&self, slot: usize, holder: Holder) -> Result<bool> {
@@ -192,6 +237,29 @@ mod tests {
     const S0: Holder = Holder::Step(StepId(0));
     const S1: Holder = Holder::Step(StepId(1));
     const T9: Holder = Holder::Task(TaskId(9));
+
+    #[test]
+    fn release_many_is_refused_whole_when_one_is_not_a_holder() {
+        let st = StagingSlots::new(1).unwrap();
+        assert_eq!(st.claim(S0, Duration::ZERO).unwrap(), 0);
+        st.hold_many(0, &[T9, Holder::Task(TaskId(4))]).unwrap();
+        let err = st.release_many(0, &[T9, Holder::Task(TaskId(99))]);
+        assert!(matches!(err, Err(Error::NotAHolder { .. })));
+        assert!(
+            matches!(st.release_many(0, &[T9, T9]), Err(Error::NotAHolder { .. })),
+            "a holder listed twice must hold the slot twice"
+        );
+        assert_eq!(st.holders()[0], vec![S0, T9, Holder::Task(TaskId(4))]);
+        assert!(!st.release_many(0, &[Holder::Task(TaskId(4)), T9]).unwrap());
+        assert!(
+            st.release_many(0, &[S0]).unwrap(),
+            "the last holder frees the slot"
+        );
+        assert!(
+            !st.release_many(0, &[]).unwrap(),
+            "nothing released: not freed again"
+        );
+    }
 
     #[test]
     fn busy_while_any_holder_holds_and_ring_order() {

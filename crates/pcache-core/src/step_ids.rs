@@ -15,6 +15,9 @@ struct Inner {
     outstanding: BTreeSet<u64>,
 }
 
+/// The largest first id [`StepIds::starting_at`] takes: 2^63 - 1, leaving 2^63 ids to issue.
+pub const MAX_FIRST_STEP_ID: u64 = u64::MAX >> 1;
+
 /// The step-id registry. Any thread; the lock covers a set insert/remove.
 #[derive(Debug, Default)]
 pub struct StepIds {
@@ -28,15 +31,21 @@ impl StepIds {
     }
 
     /// An empty registry whose first id is `step#first` (so the ids of several registries in
-    /// one process need not overlap).
-    pub fn starting_at(first: u64) -> Self {
-        Self {
+    /// one process need not overlap). Refused above [`MAX_FIRST_STEP_ID`], so that issuing can
+    /// never run past `u64::MAX` (ids would wrap and repeat).
+    pub fn starting_at(first: u64) -> Result<Self> {
+        if first > MAX_FIRST_STEP_ID {
+            return Err(Error::InvalidConfig {
+                what: format!("the first step id must be at most {MAX_FIRST_STEP_ID}, got {first}"),
+            });
+        }
+        Ok(Self {
             inner: Mutex::new(Inner {
                 first,
                 next: first,
                 outstanding: BTreeSet::new(),
             }),
-        }
+        })
     }
 
     /// Issues the next id; it is outstanding until consumed.
@@ -91,7 +100,7 @@ mod tests {
 
     #[test]
     fn a_registry_starting_elsewhere_refuses_the_ids_of_another() {
-        let (first, second) = (StepIds::new(), StepIds::starting_at(1 << 40));
+        let (first, second) = (StepIds::new(), StepIds::starting_at(1 << 40).unwrap());
         let a = first.issue();
         let b = second.issue();
         assert_eq!((a, b), (StepId(0), StepId(1 << 40)));

@@ -5,7 +5,7 @@ use numpy::{PyArray1, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyInt, PyList, PyString, PyTuple};
 
-use crate::convert::int_array;
+use crate::convert::{int_array, readonly_1d};
 use crate::errors::{invalid_input, repr_of};
 
 /// What `check_batch` returns: `(n, slots, rows, claim_req_ids, claim_starts, claim_counts)`.
@@ -81,9 +81,9 @@ pub fn check_batch<'py>(
         .zip(reqs.iter())
         .map(|(value, req)| count_of(value, &req))
         .collect::<PyResult<_>>()?;
-    let checked = if let Ok(a) = slot_mapping.extract::<PyReadonlyArray1<'py, i64>>() {
+    let checked = if let Some(a) = readonly_1d::<i64>(slot_mapping, "slot_mapping")? {
         check_mapping(&counts, a, capacity, num_slots)
-    } else if let Ok(a) = slot_mapping.extract::<PyReadonlyArray1<'py, i32>>() {
+    } else if let Some(a) = readonly_1d::<i32>(slot_mapping, "slot_mapping")? {
         check_mapping(&counts, a, capacity, num_slots)
     } else {
         return Ok(None);

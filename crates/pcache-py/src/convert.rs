@@ -1,6 +1,6 @@
 //! Argument conversion: borrowed numpy index arrays and the GIL-release helper.
 
-use numpy::{PyArray1, PyReadonlyArray1, PyUntypedArrayMethods};
+use numpy::{Element, PyArray1, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use crate::errors::invalid_input;
@@ -53,12 +53,30 @@ where
     }
 }
 
+/// `obj` borrowed as a read-only 1-D array of `T`; `Ok(None)` when it is not one (not an array,
+/// another dtype or dimension). An `InvalidInputError` naming `what` when it is one but cannot be
+/// borrowed: its memory is being written meanwhile by a native call running without the GIL (a
+/// pool write, from another thread). (`extract::<PyReadonlyArray1>` would panic there.)
+pub fn readonly_1d<'py, T: Element>(
+    obj: &Bound<'py, PyAny>,
+    what: &str,
+) -> PyResult<Option<PyReadonlyArray1<'py, T>>> {
+    let Ok(array) = obj.cast::<PyArray1<T>>() else {
+        return Ok(None);
+    };
+    array.try_readonly().map(Some).map_err(|err| {
+        invalid_input(format!(
+            "{what} cannot be read: {err} (its memory is being written by another thread)"
+        ))
+    })
+}
+
 impl<'py> Indices<'py> {
     /// Accepts a 1-D numpy array of int64/int32 (or a list of ints, converted by numpy).
     /// Anything else is an `InvalidInputError` naming the argument and what was wrong.
     pub fn extract(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Self> {
         // Fast path: a contiguous int64 array (what the cache passes) needs no inspection.
-        if let Ok(a) = obj.extract::<PyReadonlyArray1<'py, i64>>() {
+        if let Some(a) = readonly_1d::<i64>(obj, what)? {
             return Ok(Self::contiguous_or_copy(a, Indices::I64));
         }
         let py = obj.py();
@@ -78,10 +96,10 @@ impl<'py> Indices<'py> {
                 "{what} must be a 1-D integer array, got {ndim} dimensions"
             )));
         }
-        if let Ok(a) = array.extract::<PyReadonlyArray1<'py, i64>>() {
+        if let Some(a) = readonly_1d::<i64>(&array, what)? {
             return Ok(Self::contiguous_or_copy(a, Indices::I64));
         }
-        if let Ok(a) = array.extract::<PyReadonlyArray1<'py, i32>>() {
+        if let Some(a) = readonly_1d::<i32>(&array, what)? {
             return Ok(Self::contiguous_or_copy(a, Indices::I32));
         }
         if size == 0 && !numpy_array && !obj.hasattr("dtype")? {

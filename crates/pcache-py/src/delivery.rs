@@ -201,7 +201,8 @@ impl Deliveries {
         }
         let (out, reads) = self
             .inner
-            .take_step(spans.iter().map(|(r, f, c)| (r.as_str(), *f, *c)));
+            .take_step(spans.iter().map(|(r, f, c)| (r.as_str(), *f, *c)))
+            .py_err()?;
         let by_req = PyDict::new(py);
         for (key, step) in keys.iter().zip(out) {
             let span = PyTuple::new(py, [step.first_row, step.count, step.drop])?;

@@ -19,10 +19,10 @@ impl StepIds {
     /// Ids are issued from `first` on (default 0).
     #[new]
     #[pyo3(signature = (first=0))]
-    fn new(first: u64) -> Self {
-        Self {
-            inner: pcache_core::StepIds::starting_at(first),
-        }
+    fn new(first: u64) -> PyResult<Self> {
+        Ok(Self {
+            inner: pcache_core::StepIds::starting_at(first).py_err()?,
+        })
     }
 
     /// Issues the next step id (increasing).
@@ -58,6 +58,13 @@ fn parse_holder(holder: (String, u64)) -> PyResult<Holder> {
             "holder kind must be 'step' or 'task', got {other:?}"
         ))),
     }
+}
+
+/// Holders of one kind (`"step"` or `"task"`) with these ids.
+fn holders_of(kind: &str, ids: Vec<u64>) -> PyResult<Vec<Holder>> {
+    ids.into_iter()
+        .map(|id| parse_holder((kind.to_owned(), id)))
+        .collect()
 }
 
 fn timeout(seconds: f64) -> PyResult<Duration> {
@@ -123,24 +130,15 @@ impl StagingSlots {
 
     /// Adds several holders of one kind (`"step"` or `"task"`) to a slot.
     fn hold_many(&self, slot: usize, kind: String, ids: Vec<u64>) -> PyResult<()> {
-        for id in ids {
-            self.inner
-                .hold(slot, parse_holder((kind.clone(), id))?)
-                .py_err()?;
-        }
-        Ok(())
+        let holders = holders_of(&kind, ids)?;
+        self.inner.hold_many(slot, &holders).py_err()
     }
 
     /// Removes several holders of one kind from a slot; returns whether it became free.
+    /// Refused as a whole (nothing released) if one of them does not hold it.
     fn release_many(&self, slot: usize, kind: String, ids: Vec<u64>) -> PyResult<bool> {
-        let mut free = false;
-        for id in ids {
-            free = self
-                .inner
-                .release(slot, parse_holder((kind.clone(), id))?)
-                .py_err()?;
-        }
-        Ok(free)
+        let holders = holders_of(&kind, ids)?;
+        self.inner.release_many(slot, &holders).py_err()
     }
 
     /// Removes a holder; returns whether the slot became free.

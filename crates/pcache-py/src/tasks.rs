@@ -7,7 +7,7 @@ use pcache_core::{
 use pyo3::prelude::*;
 
 use crate::convert::int_array;
-use crate::errors::IntoPy;
+use crate::errors::{invalid_input, IntoPy};
 
 /// Write tasks and their queues. Any thread; state changes are lock-free compare-and-swaps.
 #[pyclass(frozen, module = "omni_pcache._native")]
@@ -16,6 +16,16 @@ pub struct WriteTasks {
     /// Boxed: crossbeam's cache-padded lanes need 128-byte alignment, more than Python's
     /// object allocator guarantees for the pyclass itself.
     queues: Box<CopyQueues>,
+}
+
+/// Most tasks one `create_many` issues (far above any step's requests: a bound, not a budget).
+const MAX_CREATE_MANY: usize = 1 << 24;
+
+/// The first id that appears twice in `ids`, if any.
+fn first_repeat(ids: &[u64]) -> Option<u64> {
+    let mut sorted = ids.to_vec();
+    sorted.sort_unstable();
+    sorted.windows(2).find(|w| w[0] == w[1]).map(|w| w[0])
 }
 
 fn state_name(s: TaskState) -> &'static str {
@@ -54,10 +64,33 @@ impl WriteTasks {
             .try_for_each(|&id| self.transition(id, TaskStateCell::copy_done))
     }
 
-    /// Publishes each WRITTEN or FAILED task on the completion queue, in order, stopping at the
-    /// first refusal.
+    /// Publishes each WRITTEN or FAILED task on the completion queue, in order. Refused as a
+    /// whole (nothing published) when one is unknown, not WRITTEN or FAILED, already
+    /// published or listed twice; only a task failed meanwhile by another thread between the
+    /// check and its publication (a non-terminal one: the check refuses those) could stop it.
     pub(crate) fn complete_all(&self, task_ids: &[u64]) -> PyResult<()> {
-        task_ids.iter().try_for_each(|&id| self.complete(id))
+        let tasks: Vec<_> = task_ids
+            .iter()
+            .map(|&id| self.table.get(TaskId(id)))
+            .collect::<pcache_core::Result<_>>()
+            .py_err()?;
+        for task in &tasks {
+            let now = task.state().load();
+            if !now.state().is_terminal() || now.is_published() {
+                // (the refusal `mark_published` gives, before anything is published)
+                return task.state().mark_published().map(drop).py_err();
+            }
+        }
+        if let Some(twice) = first_repeat(task_ids) {
+            return Err(invalid_input(format!(
+                "task#{twice} is listed twice in one completion"
+            )));
+        }
+        for task in tasks {
+            task.state().mark_published().py_err()?;
+            self.queues.complete(task.id());
+        }
+        Ok(())
     }
 
     /// HOST_READY → WRITTEN for each task in order, stopping at the first refused transition.
@@ -101,9 +134,15 @@ impl WriteTasks {
         self.table.create().id().0
     }
 
-    /// Issues `n` new tasks in PENDING; returns their ids (increasing).
-    fn create_many(&self, n: usize) -> Vec<u64> {
-        self.create_ids(n)
+    /// Issues `n` new tasks in PENDING; returns their ids (increasing). At most
+    /// `MAX_CREATE_MANY` at once.
+    fn create_many(&self, n: usize) -> PyResult<Vec<u64>> {
+        if n > MAX_CREATE_MANY {
+            return Err(invalid_input(format!(
+                "create_many({n}): at most {MAX_CREATE_MANY} tasks at once"
+            )));
+        }
+        Ok(self.create_ids(n))
     }
 
     /// `enqueue` for several tasks, in order; stops at the first refusal (the ones before it
@@ -213,9 +252,10 @@ impl WriteTasks {
         self.written_all(&task_ids)
     }
 
-    /// Publishes several WRITTEN or FAILED tasks on the completion queue, in order.
+    /// Publishes several WRITTEN or FAILED tasks on the completion queue, in order; refused as
+    /// a whole (nothing published) when one cannot be.
     fn complete_many(&self, task_ids: Vec<u64>) -> PyResult<()> {
-        task_ids.into_iter().try_for_each(|id| self.complete(id))
+        self.complete_all(&task_ids)
     }
 
     /// Any non-terminal state → FAILED.

@@ -49,6 +49,10 @@ REFUSALS: dict[str, str] = {
         "decode context parallelism shards each block's tokens across ranks; no single rank holds a "
         "request's whole sequence of slots"
     ),
+    "prefill_context_parallel": (
+        "prefill context parallelism shards each prompt's tokens across ranks; no single rank holds a "
+        "request's whole sequence of slots"
+    ),
     "sub_block_matching": (
         "prefix hits that end inside a block (and the block copies the scheduler issues for them) are not "
         "mirrored: the cache serves whole blocks only"
@@ -164,11 +168,12 @@ def cache_config_from_vllm(
     dcp = int(getattr(parallel_config, "decode_context_parallel_size", 1) or 1)
     pcp = int(getattr(parallel_config, "prefill_context_parallel_size", 1) or 1)
     if dcp > 1 or pcp > 1:
-        name, value = ("decode_context_parallel_size", dcp) if dcp > 1 else ("prefill_context_parallel_size", pcp)
+        kind = "decode" if dcp > 1 else "prefill"
+        name, value = f"{kind}_context_parallel_size", dcp if dcp > 1 else pcp
         raise _refuse(
             f"context parallelism (parallel_config.{name}={value})",
             f"parallel_config.{name}=1, or enable_prefix_caching=False",
-            "decode_context_parallel",
+            f"{kind}_context_parallel",
         )
 
     sizes = _spec_block_sizes(spec)
