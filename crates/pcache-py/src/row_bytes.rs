@@ -78,11 +78,10 @@ impl<'py> RowBytes<'py> {
         each_array!(self, |a| row_bytes_of(a))
     }
 
-    /// Every row's bytes, in order (checked C-contiguous at [`RowBytes::borrow`]).
-    pub fn bytes(&self) -> &[u8] {
-        each_array!(self, |a| bytemuck::cast_slice(
-            a.as_slice().expect("checked C-contiguous")
-        ))
+    /// Every row's bytes, in order; an error if the array is no longer C-contiguous (checked
+    /// at [`RowBytes::borrow`], but another Python thread may have set its strides since).
+    pub fn bytes(&self) -> Result<&[u8], numpy::NotContiguousError> {
+        each_array!(self, |a| a.as_slice().map(bytemuck::cast_slice))
     }
 }
 

@@ -276,11 +276,25 @@ fn copy_planned_rows(
         .iter()
         .map(|plan| plan.as_ref().map_or(0, |p| p.slots.len()))
         .collect();
-    for mut plan in plans.into_iter().flatten() {
-        let (key_id, row_bytes) = (plan.key_id, plan.row_bytes);
-        let page = plan.page.bytes();
-        let pool = plan.pool.as_slice_mut().expect("checked C-contiguous");
-        let (source, slots) = (&plan.source, &plan.slots);
+    // Every key's slices are taken before the first copy releases the GIL: another Python
+    // thread could otherwise make a later key's array non-contiguous in between.
+    let mut plans = plans;
+    let mut copies = Vec::with_capacity(plans.len());
+    for plan in plans.iter_mut().flatten() {
+        let KeyWrite {
+            key_id,
+            row_bytes,
+            page,
+            pool,
+            source,
+            slots,
+        } = plan;
+        let layout = |err| invalid_input(format!("{what}: key#{key_id}: {err}"));
+        let page = page.bytes().map_err(layout)?;
+        let pool = pool.as_slice_mut().map_err(layout)?;
+        copies.push((*key_id, *row_bytes, page, pool, &*source, &*slots));
+    }
+    for (key_id, row_bytes, page, pool, source, slots) in copies {
         let mut copy = move || match source {
             Source::Span(span) => {
                 row_scatter::scatter_rows(pool, &page[span.clone()], row_bytes, slots)
