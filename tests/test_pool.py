@@ -20,6 +20,7 @@ from omni_pcache._native import (
     write_step_now,
     write_step_rows,
 )
+from omni_pcache.copy_engine import held_bytes
 from omni_pcache.keys import KeySpec
 from omni_pcache.pool import HostPool, row_bytes_view
 
@@ -278,3 +279,26 @@ def test_a_step_written_by_its_saver_may_read_its_rows_from_arrays_of_any_numeri
     assert written == [3, 3]
     np.testing.assert_array_equal(pools[0][slots].view(np.float32), hidden)
     np.testing.assert_array_equal(pools[1][slots].view(np.int16), codes)
+
+
+class _HostTensor:
+    """A tensor's size and pinning, as `held_bytes` reads them (pinned memory needs CUDA)."""
+
+    def __init__(self, nbytes: int, pinned: bool) -> None:
+        self.nbytes, self.pinned = nbytes, pinned
+
+    def numel(self) -> int:
+        return self.nbytes
+
+    def element_size(self) -> int:
+        return 1
+
+    def is_pinned(self) -> bool:
+        return self.pinned
+
+
+def test_log_lines_give_the_page_locked_size_of_pinned_memory() -> None:
+    assert held_bytes(_HostTensor(3 << 20, pinned=True)) == "3.0 MiB (pinned: 4.0 MiB page-locked)"
+    assert held_bytes(_HostTensor(4 << 20, pinned=True)) == "4.0 MiB (pinned)"
+    assert held_bytes(_HostTensor(3 << 20, pinned=False)) == "3.0 MiB"
+    assert held_bytes(torch.zeros(1 << 18)) == "1.0 MiB"

@@ -41,6 +41,18 @@ def empty_host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, pin_memory=pinned_available())
 
 
+def held_bytes(tensor: torch.Tensor) -> str:
+    """What a host tensor holds, for a log line: its size, and for pinned memory the
+    page-locked size torch's caching host allocator rounds it up to (the next power of two;
+    kept in torch's cache, not returned to the system, when the tensor is freed)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    text = f"{nbytes / 2**20:.1f} MiB"
+    if tensor.is_pinned() and nbytes > 0:
+        locked = 1 << (nbytes - 1).bit_length()
+        text += f" (pinned: {locked / 2**20:.1f} MiB page-locked)" if locked != nbytes else " (pinned)"
+    return text
+
+
 def host_waited_event(enable_timing: bool = False) -> torch.cuda.Event:
     """An event a host thread waits with ``synchronize``: a blocking one, so the waiting thread
     (the committer, a materializing thread) sleeps instead of spinning a core the engine thread

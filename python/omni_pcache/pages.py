@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import torch
 
-from omni_pcache.copy_engine import empty_host
+from omni_pcache.copy_engine import empty_host, held_bytes
 from omni_pcache.keys import KeySpec
 from omni_pcache.pool import row_bytes_view
 
@@ -43,11 +43,7 @@ class StagingPages:
             storage = self._pages.setdefault(spec.name, storage)
             self._views.setdefault(spec.name, tuple(storage.unbind(0)))
         logger.info(
-            "staging for %s: %d pages x %d rows, %.1f MiB",
-            spec.describe(),
-            self._depth,
-            self._capacity,
-            storage.numel() * storage.element_size() / 2**20,
+            "staging for %s: %d pages x %d rows, %s", spec.describe(), self._depth, self._capacity, held_bytes(storage)
         )
 
     def page(self, key: str, page: int) -> torch.Tensor:

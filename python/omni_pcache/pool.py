@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from omni_pcache._native import scatter_rows
-from omni_pcache.copy_engine import empty_host
+from omni_pcache.copy_engine import empty_host, held_bytes
 from omni_pcache.keys import KeySpec
 
 logger = logging.getLogger("omni_pcache")
@@ -45,13 +45,7 @@ class HostPool:
         storage = empty_host(shape, spec.dtype) if self._pinned else torch.empty(shape, dtype=spec.dtype)
         with self._lock:
             self._rows.setdefault(spec.name, storage)
-        logger.info(
-            "host pool for %s: %d slots, %.1f MiB%s",
-            spec.describe(),
-            self._num_slots,
-            storage.numel() * storage.element_size() / 2**20,
-            " (pinned)" if storage.is_pinned() else "",
-        )
+        logger.info("host pool for %s: %d slots, %s", spec.describe(), self._num_slots, held_bytes(storage))
 
     def write(self, key: str, slots: np.ndarray, rows: torch.Tensor) -> None:
         """Scatters ``rows`` to ``slots`` (int64 ids; the writer: the committer's write lock
