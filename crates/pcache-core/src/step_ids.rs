@@ -109,6 +109,19 @@ mod tests {
     }
 
     #[test]
+    fn a_first_id_that_could_run_past_u64_max_is_refused() {
+        assert_eq!(MAX_FIRST_STEP_ID, (1 << 63) - 1);
+        let last = StepIds::starting_at(MAX_FIRST_STEP_ID).unwrap();
+        assert_eq!(last.issue(), StepId(MAX_FIRST_STEP_ID));
+        assert_eq!(last.issue(), StepId(1 << 63));
+        let err = StepIds::starting_at(MAX_FIRST_STEP_ID + 1).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "invalid configuration: the first step id must be at most 9223372036854775807, got 9223372036854775808"
+        );
+    }
+
+    #[test]
     fn out_of_order_consumption_and_errors_list_outstanding() {
         let ids = StepIds::new();
         let a = ids.issue();
