@@ -39,7 +39,7 @@ keep() {  # copies the result files written since the start to $OUT (the device 
 {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/omni-site \
         dist/gpu/omni_pcache-*.whl || exit 1
-    export PYTHONPATH=/tmp/omni-site PYTHONUNBUFFERED=1
+    export PYTHONPATH=/tmp/omni-site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
     # The wheel must be built from this tree, Rust included (a wheel built before the last change
     # would test and measure old code): `just gpu-wheels` right before carrying dist/gpu.

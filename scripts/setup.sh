@@ -5,13 +5,25 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 venv=.venv
+python=${PYTHON:-python3}
+# A venv left without a working interpreter or pip (an interrupted first run, a missing
+# python3-venv package, its base Python removed since) is made again rather than trusted.
+if [ -e "$venv" ] && ! "$venv/bin/python" -m pip --version >/dev/null 2>&1; then
+    echo "setup: $venv is incomplete; making it again"
+    rm -rf "$venv"
+fi
 if [ ! -x "$venv/bin/python" ]; then
-    echo "setup: creating $venv"
-    python3 -m venv "$venv"
+    "$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))' || {
+        echo "setup: $python is $("$python" --version 2>&1); omni_pcache needs Python >= 3.10 (set PYTHON=...)" >&2
+        exit 1
+    }
+    echo "setup: creating $venv with $("$python" --version 2>&1)"
+    "$python" -m venv "$venv"
 fi
 
 stamp="$venv/.requirements.sha256"
-want=$(sha256sum requirements-dev.txt | cut -d' ' -f1)
+# (the interpreter's version too: a venv made again with another Python installs again)
+want=$({ cat requirements-dev.txt; "$venv/bin/python" -c 'import sys; print(sys.version)'; } | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
     echo "setup: installing requirements-dev.txt into $venv (torch is large; first run only)"
     "$venv/bin/python" -m pip install --quiet --upgrade pip

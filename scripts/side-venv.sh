@@ -10,7 +10,7 @@ side_venv() {
     base_site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     if [ ! -x "$venv/bin/python" ]; then
         echo "$name: creating $venv"
-        python3 -m venv "$venv"
+        .venv/bin/python -m venv "$venv"  # (.venv's Python: the torch it borrows is built for it)
     fi
     site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     # addsitedir (not a plain path line) so .venv's own .pth files (the editable omni_pcache) apply.

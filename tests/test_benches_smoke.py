@@ -13,6 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
+BENCH_READY = ROOT / ".venv-bench" / ".packages.sha256"  # (written once its install finished)
 
 
 def run_bench(name: str, out: Path, *extra: str, python: Path | str = sys.executable) -> dict:
@@ -65,7 +66,7 @@ def test_step_overhead_reruns_itself_under_the_malloc_settings_it_names(tmp_path
     assert [(r["step_tokens"], r["forward_ms"]) for r in doc["results"]] == [(64, 0)]
 
 
-@pytest.mark.skipif(not BENCH_PYTHON.exists(), reason=".venv-bench absent (bash scripts/setup-bench.sh)")
+@pytest.mark.skipif(not BENCH_READY.exists(), reason=".venv-bench absent or unfinished (bash scripts/setup-bench.sh)")
 def test_step_overhead_vs_vllm_omni(tmp_path: Path) -> None:
     doc = run_bench("step_overhead", tmp_path / "s.json", python=BENCH_PYTHON)
     assert doc["vllm_omni"]["compared"] is True
