@@ -43,6 +43,25 @@ SCENARIOS = [
         50,
         0.1,
     ),
+    # Long prompts in chunks of 16 on a small pool: requests preempted mid-prefill resume with
+    # a hit past what their consumer was given (blocks another request filled meanwhile).
+    (
+        "resume-past-delivered",
+        EngineConfig(num_blocks=20, max_num_batched_tokens=128, long_prefill_tokens=16, output_thread=True),
+        "mixed",
+        40,
+        0.0,
+    ),
+    # Half the preempted requests aborted while they wait to resume, their blocks reused.
+    (
+        "aborts-of-preempted",
+        EngineConfig(
+            num_blocks=20, max_num_batched_tokens=128, deferred_proj=True, device_budget_bytes=6000, abort_preempted=0.5
+        ),
+        "mixed",
+        50,
+        0.1,
+    ),
     (
         "deferred-abort-heavy",
         EngineConfig(num_blocks=40, deferred_proj=True, device_budget_bytes=10000, output_thread=True),
@@ -56,7 +75,9 @@ SCENARIOS = [
 def run_pair(config: EngineConfig, workload: str, num_requests: int, seed: int, abort_rate: float):
     config = replace(config, seed=seed)
     cached = Engine(config).run(make_workload(workload, num_requests, seed, abort_rate=abort_rate))
-    reference = Engine(replace(config, enable_prefix_caching=False)).run(make_workload(workload, num_requests, seed))
+    reference = Engine(replace(config, enable_prefix_caching=False, abort_preempted=0.0)).run(
+        make_workload(workload, num_requests, seed)
+    )
     return cached, reference
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from omni_pcache.engine import Engine, EngineConfig, make_workload
 from omni_pcache.engine.block_pool import BlockPool
 from omni_pcache.engine.kv_manager import KVCacheManager
 from omni_pcache.engine.request import Request, Status
@@ -91,6 +92,39 @@ def test_abort_frees_blocks_and_reports_finished_next_step() -> None:
     sched.abort(a)
     assert a.status is Status.ABORTED and kv.pool.num_free == 8
     assert sched.schedule(1).finished == ["a"]
+
+
+def test_an_abort_of_a_request_never_scheduled_is_reported_too() -> None:
+    # As vLLM's scheduler frees it: every aborted id goes to finished_req_ids, waiting or not.
+    kv = KVCacheManager(8, BS, enable_prefix_caching=True)
+    sched = Scheduler(kv, max_num_batched_tokens=64, max_num_running=8)
+    a = req("a", list(range(6)))
+    sched.add(a)
+    sched.abort(a)
+    assert a.status is Status.ABORTED
+    assert sched.schedule(0).finished == ["a"]
+
+
+def test_requests_preempted_in_a_step_are_listed_and_may_be_aborted_while_they_wait() -> None:
+    kv = KVCacheManager(6, BS, enable_prefix_caching=True)
+    sched = Scheduler(kv, max_num_batched_tokens=64, max_num_running=8)
+    a, b = req("a", list(range(11)), outputs=(1,) * 8), req("b", list(range(100, 111)), outputs=(1,) * 8)
+    sched.add(a)
+    sched.add(b)
+    for step in range(40):
+        s = sched.schedule(step)
+        if s.preempted:
+            assert s.preempted == [b] and b.preempted and b not in sched.running
+            break
+        sched.update(s)
+    else:
+        raise AssertionError("nothing was preempted")
+    sched.abort(b)  # (what EngineConfig.abort_preempted does, a step later)
+    assert b.status is Status.ABORTED and sched.schedule(step + 1).finished == ["b"]
+    config = EngineConfig(num_blocks=20, max_num_batched_tokens=128, model="prefix-hash", abort_preempted=1.0)
+    result = Engine(config).run(make_workload("mixed", 30, 0))
+    preempted = [r for r in result.requests.values() if r.num_preemptions]
+    assert preempted and all(r.status is Status.ABORTED for r in preempted)
 
 
 def test_a_hash_held_by_two_blocks_stays_cached_while_either_does() -> None:

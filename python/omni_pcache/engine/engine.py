@@ -10,6 +10,7 @@ and its rows are recorded by position.
 from __future__ import annotations
 
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -54,6 +55,10 @@ class EngineConfig:
     output_device: str | None = None
     seed: int = 0
     max_steps: int = 100_000
+    # Chance that a request preempted in a step is aborted at the next one, while it waits to
+    # resume (a client giving up on a stalled request): workload aborts, drawn at arrival,
+    # almost never find a request preempted.
+    abort_preempted: float = 0.0
 
 
 @dataclass
@@ -139,6 +144,7 @@ class Engine:
         if config.model not in MODELS:
             raise ValueError(f"unknown model {config.model!r}; choose from {', '.join(MODELS)}")
         self.config = config
+        self._abort_rng = random.Random(config.seed + 104_729)  # (apart from the workload's draws)
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, config.max_num_batched_tokens, config.max_num_running, config.long_prefill_tokens
@@ -250,6 +256,9 @@ class Engine:
                 for req in aborts.pop(step, []):
                     self.scheduler.abort(req)
                 sched = self.scheduler.schedule(step)
+                for victim in sched.preempted:
+                    if self.config.abort_preempted and self._abort_rng.random() < self.config.abort_preempted:
+                        aborts.setdefault(step + 1, []).append(victim)
                 if not sched.scheduled and not self.scheduler.running and self.scheduler.waiting:
                     head = self.scheduler.waiting[0]
                     raise EngineCapacityError(

@@ -25,6 +25,7 @@ class ScheduledStep:
     resumed: list[tuple[str, list[int], int]] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)  # back in the waiting queue this step
 
     @property
     def num_tokens(self) -> int:
@@ -55,7 +56,8 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, req: Request) -> None:
-        """Aborts a waiting or running request; it is reported as finished next step."""
+        """Aborts a waiting or running request; it is reported as finished next step, as vLLM
+        reports every aborted id (one never scheduled included) in ``finished_req_ids``."""
         if req.is_done:
             return
         if req in self.running:
@@ -64,8 +66,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req)
         req.status = Status.ABORTED
-        if req.scheduled_before:
-            self._finished_since.append(req.req_id)
+        self._finished_since.append(req.req_id)
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
@@ -91,6 +92,7 @@ class Scheduler:
             while not self.kv.allocate(req, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
+                out.preempted.append(victim)
                 preempted_any = True
                 if victim is req:
                     break
