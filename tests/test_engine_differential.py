@@ -32,7 +32,8 @@ SCENARIOS = [
         40,
         0.1,
     ),
-    ("output-thread", EngineConfig(num_blocks=32, output_thread=True), "mixed", 60, 0.15),
+    # (rows in a shuffled order of the step's requests, as vLLM's input batch reorders them)
+    ("output-thread", EngineConfig(num_blocks=32, output_thread=True, shuffle_batch=True), "mixed", 60, 0.15),
     ("small-blocks", EngineConfig(num_blocks=96, block_size=4), "chat", 40, 0.1),
     # (a block size that is not a power of two: the ledger divides to find a slot's block)
     ("odd-blocks", EngineConfig(num_blocks=80, block_size=6), "fewshot", 40, 0.1),
@@ -47,7 +48,9 @@ SCENARIOS = [
     # a hit past what their consumer was given (blocks another request filled meanwhile).
     (
         "resume-past-delivered",
-        EngineConfig(num_blocks=20, max_num_batched_tokens=128, long_prefill_tokens=16, output_thread=True),
+        EngineConfig(
+            num_blocks=20, max_num_batched_tokens=128, long_prefill_tokens=16, output_thread=True, shuffle_batch=True
+        ),
         "mixed",
         40,
         0.0,

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from omni_pcache.engine import Engine, EngineConfig, make_workload
 from omni_pcache.engine.block_pool import BlockPool
+from omni_pcache.engine.compare import compare
 from omni_pcache.engine.kv_manager import KVCacheManager
 from omni_pcache.engine.request import Request, Status
 from omni_pcache.engine.scheduler import Scheduler
@@ -171,3 +174,27 @@ def test_blocks_that_fill_in_later_steps_are_published_and_again_after_a_realloc
     a.num_computed = 0
     assert kv.allocate(a, 12)  # resumed: recomputes everything into new blocks
     assert kv.match_prefix(req("w", list(range(13)))) == a.blocks[:3], "published again in its new tenancy"
+
+
+def test_a_shuffled_batch_hands_the_cache_each_steps_rows_in_another_order() -> None:
+    config = EngineConfig(num_blocks=64, model="prefix-hash", shuffle_batch=True)
+    engine = Engine(config)
+    scheduler_orders, batch_orders = [], []
+    schedule, save = engine.scheduler.schedule, engine.cache.save
+
+    def recording_schedule(step):
+        out = schedule(step)
+        scheduler_orders.append([r.req_id for r, _ in out.scheduled])
+        return out
+
+    def recording_save(hidden, mm, batch):
+        batch_orders.append(list(batch.req_ids))
+        return save(hidden, mm, batch)
+
+    engine.scheduler.schedule, engine.cache.save = recording_schedule, recording_save
+    cached = engine.run(make_workload("mixed", 30, 0))
+    scheduler_orders = [o for o in scheduler_orders if o]
+    assert [sorted(o) for o in batch_orders] == [sorted(o) for o in scheduler_orders]
+    assert batch_orders != scheduler_orders, "some step's rows reordered"
+    reference = Engine(replace(config, enable_prefix_caching=False)).run(make_workload("mixed", 30, 0))
+    assert compare(cached, reference, 0.0).ok

@@ -59,6 +59,9 @@ class EngineConfig:
     # resume (a client giving up on a stalled request): workload aborts, drawn at arrival,
     # almost never find a request preempted.
     abort_preempted: float = 0.0
+    # Rows of a step in a random order of its requests, not the scheduler's (vLLM's input batch
+    # condenses and reorders its rows).
+    shuffle_batch: bool = False
 
 
 @dataclass
@@ -145,6 +148,7 @@ class Engine:
             raise ValueError(f"unknown model {config.model!r}; choose from {', '.join(MODELS)}")
         self.config = config
         self._abort_rng = random.Random(config.seed + 104_729)  # (apart from the workload's draws)
+        self._batch_rng = random.Random(config.seed + 15_485_863)
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, config.max_num_batched_tokens, config.max_num_running, config.long_prefill_tokens
@@ -222,6 +226,16 @@ class Engine:
             reqs,
         )
 
+    def _shuffled(self, scheduled: list, hidden: torch.Tensor, mm: dict, slots: np.ndarray) -> tuple:
+        """The step's requests, rows and slots regrouped in a random order of its requests, as
+        vLLM's input batch reorders them. The forward itself ran in the scheduler's order (the
+        prefix-hash model computes requests in batch order: writers of same-step hits first)."""
+        order = self._batch_rng.sample(range(len(scheduled)), len(scheduled))
+        starts = np.cumsum([0] + [count for _, count in scheduled])
+        index = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in order])
+        rows = torch.from_numpy(index)
+        return [scheduled[i] for i in order], hidden[rows], {**mm, "proj": mm["proj"][rows]}, slots[index]
+
     def _record_reference(self, sched: ScheduledStep, hidden: torch.Tensor, proj: torch.Tensor) -> None:
         row = 0
         for req, count in sched.scheduled:
@@ -278,14 +292,14 @@ class Engine:
                     out = self.model.forward(batch)
                     tokens_computed += sched.num_tokens
                     if self.cache is not None:
-                        hidden, mm, padded, slots = out.hidden, out.mm, None, batch.slot_mapping
+                        scheduled, hidden, mm, slots = sched.scheduled, out.hidden, out.mm, batch.slot_mapping
+                        padded = None
+                        if self.config.shuffle_batch and len(scheduled) > 1:
+                            scheduled, hidden, mm, slots = self._shuffled(scheduled, hidden, mm, slots)
                         if self.buffers is not None:
-                            hidden, mm, padded, slots = self.buffers.fill(
-                                out.hidden, out.mm["proj"], out.mm["step_info"], batch.slot_mapping
-                            )
-                        step_batch = StepBatch(
-                            [r.req_id for r, _ in sched.scheduled], [n for _, n in sched.scheduled], slots, padded
-                        )
+                            hidden, mm, padded, slots = self.buffers.fill(hidden, mm["proj"], mm["step_info"], slots)
+                        req_ids, counts = [r.req_id for r, _ in scheduled], [n for _, n in scheduled]
+                        step_batch = StepBatch(req_ids, counts, slots, padded)
                         step_id = self.cache.save(hidden, mm, step_batch)
                         for req, count in sched.scheduled:  # (before `update` moves num_computed on)
                             req.saved_upto = max(req.saved_upto, req.num_computed + count)
