@@ -68,12 +68,19 @@ def test_chunked_prefill_decode_and_finish() -> None:
     assert kv.pool.num_free == 32
 
 
-def test_preemption_frees_the_last_running_request_and_it_resumes_with_a_rematch() -> None:
+def two_requests_for_a_pool_of_one() -> tuple[Scheduler, Request, Request]:
+    """A scheduler whose 6 blocks of 4 cannot hold both of its requests (11 prompt + 8 output
+    tokens each) to their end: b, scheduled last, is preempted."""
     kv = KVCacheManager(6, BS, enable_prefix_caching=True)
     sched = Scheduler(kv, max_num_batched_tokens=64, max_num_running=8)
     a, b = req("a", list(range(11)), outputs=(1,) * 8), req("b", list(range(100, 111)), outputs=(1,) * 8)
     sched.add(a)
     sched.add(b)
+    return sched, a, b
+
+
+def test_preemption_frees_the_last_running_request_and_it_resumes_with_a_rematch() -> None:
+    sched, a, b = two_requests_for_a_pool_of_one()
     resumed = []
     for step in range(40):
         s = sched.schedule(step)
@@ -109,11 +116,7 @@ def test_an_abort_of_a_request_never_scheduled_is_reported_too() -> None:
 
 
 def test_requests_preempted_in_a_step_are_listed_and_may_be_aborted_while_they_wait() -> None:
-    kv = KVCacheManager(6, BS, enable_prefix_caching=True)
-    sched = Scheduler(kv, max_num_batched_tokens=64, max_num_running=8)
-    a, b = req("a", list(range(11)), outputs=(1,) * 8), req("b", list(range(100, 111)), outputs=(1,) * 8)
-    sched.add(a)
-    sched.add(b)
+    sched, _, b = two_requests_for_a_pool_of_one()
     for step in range(40):
         s = sched.schedule(step)
         if s.preempted:

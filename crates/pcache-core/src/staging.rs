@@ -133,13 +133,7 @@ impl StagingSlots {
 
     /// Adds a holder to a slot (a write task reading from the step's page).
     pub fn hold(&self, slot: usize, holder: Holder) -> Result<()> {
-        let mut g = self.inner.lock();
-        Self::check_slot(&g, slot)?;
-        if g.closed {
-            return Err(Error::StagingClosed);
-        }
-        g.holders[slot].push(holder);
-        Ok(())
+        self.hold_many(slot, &[holder])
     }
 
     /// Adds several holders to a busy slot at once (all, or none when refused).
