@@ -126,7 +126,7 @@ pub fn gather_rows(
 
 /// How many rows of `row_bytes` fill `bytes` exactly (refused for rows of zero bytes).
 fn whole_rows(bytes: usize, row_bytes: usize) -> Result<usize, RowScatterError> {
-    if row_bytes == 0 || bytes % row_bytes != 0 {
+    if row_bytes == 0 || !bytes.is_multiple_of(row_bytes) {
         return Err(RowScatterError::BadRowSize {
             row_bytes,
             pool_bytes: bytes,

@@ -79,9 +79,11 @@ fn block_shapes(slots: &[i64], size: u32) -> (bool, bool) {
     let size = size as usize;
     let whole = (size > 1)
         && slots.windows(size).any(|w| {
-            w[0] >= 0 && w[0] as usize % size == 0 && (0..).zip(w).all(|(k, &s)| s == w[0] + k)
+            w[0] >= 0
+                && (w[0] as usize).is_multiple_of(size)
+                && (0..).zip(w).all(|(k, &s)| s == w[0] + k)
         });
-    let part = (size > 1) && slots.len() % size != 0;
+    let part = (size > 1) && !slots.len().is_multiple_of(size);
     (whole, part)
 }
 

@@ -86,7 +86,7 @@ impl Deliveries {
             )));
         }
         let hit = ending.contains(req_id.as_str()) || !self.inner.is_live(&req_id);
-        if hit && num_computed % bs != 0 {
+        if hit && !num_computed.is_multiple_of(bs) {
             return Err(invalid_input(format!(
                 "{}: num_computed_tokens={num_computed} is not a whole number of blocks \
                  (block_size={bs}); prefix hits are whole blocks",
