@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from cachekit import small_cache, start_thread
-from omni_pcache import CacheClosedError, CachePolicy, NewRequest, StepBatch, StepEvents, WriteFailedError
+from omni_pcache import (
+    CacheClosedError,
+    CachePolicy,
+    InvalidInputError,
+    NewRequest,
+    StepBatch,
+    StepEvents,
+    WriteFailedError,
+)
 
 
 def save_one(cache, first_slot=0, n=2):
@@ -166,8 +174,10 @@ def test_a_save_that_cannot_make_room_for_a_new_key_raises_and_the_next_save_tri
 
         cache._pool.ensure = fail_once
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
-        with pytest.raises(MemoryError, match="injected"):
+        refused = r"'hidden' rows \(2,\) float32: its host pool cannot be allocated"
+        with pytest.raises(InvalidInputError, match=refused) as err:
             save_one(cache)
+        assert isinstance(err.value.__cause__, MemoryError)
         assert cache.stats().steps_outstanding == [] and cache.stats().tasks_live == 0
         out = cache.materialize(save_one(cache), ["a"])
         assert torch.equal(out.hidden["a"], torch.ones(2, 2))

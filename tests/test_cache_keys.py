@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -97,6 +98,16 @@ REFUSALS = {
         {"device_budget_bytes": 64},
         lambda: (torch.zeros(4, 2, dtype=torch.float64), {"feat": torch.zeros(4, 8), "later": torch.zeros(2)}),
     ),
+    # A key whose pool cannot be allocated (2**36 floats a row), after hidden's was: its storage
+    # is freed and the keys are classified afresh.
+    "a row too wide to allocate": (
+        None,
+        {},
+        lambda: (
+            torch.zeros(4, 2, dtype=torch.float64),
+            {"feat": torch.zeros(4, 1).expand(4, 2**36), "later": torch.zeros(2)},
+        ),
+    ),
 }
 
 
@@ -133,6 +144,36 @@ def test_a_refused_save_classifies_nothing_so_a_corrected_retry_is_cached(refusa
         assert torch.equal(out.mm["feat"]["b"], torch.cat([rows["feat"], b_feat]))
         assert torch.equal(out.mm["later"]["b"], torch.cat([later, b_later]))
         assert sorted(cache.stats().pool_bytes) == ["feat", "hidden", "later"]
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        (lambda: torch.zeros(4, 2).to_sparse(), "hidden states is a sparse_coo tensor"),
+        (lambda: torch.quantize_per_tensor(torch.ones(4, 2), 0.1, 0, torch.qint8), "hidden states is a quantized"),
+    ],
+    ids=["sparse", "quantized"],
+)
+def test_rows_that_are_not_dense_are_refused_and_change_nothing(rows, message) -> None:
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        batch = StepBatch(["a"], [4], slots_of([0], 0, 4, BS))
+        with warnings.catch_warnings():  # (torch deprecates quantized tensors)
+            warnings.simplefilter("ignore")
+            bad = rows()
+        with pytest.raises(InvalidInputError, match=message):
+            cache.save(bad, {}, batch)
+        sid = cache.save(torch.ones(4, 2), {}, batch)
+        assert torch.equal(cache.materialize(sid, ["a"]).hidden["a"], torch.ones(4, 2))
+
+
+def test_a_meta_tensor_leftover_is_refused() -> None:
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        batch = StepBatch(["a"], [4], slots_of([0], 0, 4, BS))
+        with pytest.raises(InvalidInputError, match="leftover mm 'x' holds a meta tensor"):
+            cache.save(torch.ones(4, 2), {"x": {"inner": torch.empty(5, device="meta")}}, batch)
+        assert cache.stats().steps_outstanding == []
 
 
 def test_a_key_first_seen_as_leftover_stays_leftover() -> None:

@@ -90,10 +90,14 @@ class KeyRegistry:
         self._specs: dict[str, KeySpec] = {}
         self._leftover: set[str] = set()
         self._step_keys: dict[tuple[str, ...], StepKeys] = {}
+        self._spare_key_ids: list[int] = []  # ledger ids of keys forgotten (`forget`), reused first
 
     def _check(self, name: str, value: Any, n: int, n_padded: int, spec: KeySpec | None) -> None:
         if not isinstance(value, torch.Tensor):
             raise InvalidInputError(f"{_what(name)} must be a tensor, got {type(value).__name__}")
+        if value.layout != torch.strided or value.is_quantized:
+            layout = "quantized" if value.is_quantized else str(value.layout).removeprefix("torch.")
+            raise InvalidInputError(f"{_what(name)} is a {layout} tensor; the cache keeps dense (strided) rows")
         if value.is_meta:
             raise InvalidInputError(f"{_what(name)} is a meta tensor: it has no rows to cache")
         if value.dim() < 1 or value.shape[0] not in (n, n_padded):
@@ -108,7 +112,8 @@ class KeyRegistry:
     def _spec_for(self, name: str, value: torch.Tensor) -> KeySpec:
         spec = self._specs.get(name)
         if spec is None:
-            spec = KeySpec(name, tuple(value.shape[1:]), value.dtype, self._add_key())
+            key_id = self._spare_key_ids.pop() if self._spare_key_ids else self._add_key()
+            spec = KeySpec(name, tuple(value.shape[1:]), value.dtype, key_id)
             self._specs[name] = spec
             self._step_keys.clear()  # (their `omitted` keys are made again with this one)
         return spec
@@ -150,13 +155,29 @@ class KeyRegistry:
 
     def register(
         self, cached: dict[str, torch.Tensor], leftover: dict[str, Any], n: int
-    ) -> dict[str, tuple[KeySpec, torch.Tensor]]:
+    ) -> tuple[dict[str, tuple[KeySpec, torch.Tensor]], tuple[str, ...]]:
         """Remembers a classified step's new keys (each registered in the ledger) and, with
-        discovery on, its new leftover names; returns its rows as ``{name: (spec, tensor)}``."""
+        discovery on, its new leftover names; returns its rows as ``{name: (spec, tensor)}``
+        and the names it added (for `forget`, should the step still be refused)."""
+        added = [name for name in cached if name not in self._specs]
         if leftover and self._policy.token_keys is None and n > 0:
-            self._leftover.update(k for k in leftover if k not in self._specs)
+            new_leftover = [k for k in leftover if k not in self._specs and k not in self._leftover]
+            self._leftover.update(new_leftover)
+            added += new_leftover
         specs = self._specs
-        return {name: (specs.get(name) or self._spec_for(name, t), t) for name, t in cached.items()}
+        return {name: (specs.get(name) or self._spec_for(name, t), t) for name, t in cached.items()}, tuple(added)
+
+    def forget(self, names: tuple[str, ...]) -> None:
+        """Undoes `register` for a step refused after it (its key storage could not be
+        allocated, ...): those keys and leftover names are classified afresh by a later step,
+        their ledger ids reused (nothing was claimed on them)."""
+        for name in names:
+            spec = self._specs.pop(name, None)
+            if spec is not None:
+                self._spare_key_ids.append(spec.key_id)
+            self._leftover.discard(name)
+        if names:
+            self._step_keys.clear()
 
     def step_keys(self, cached: dict[str, tuple[KeySpec, Any]], prepare: Callable[[StepKeys], None]) -> StepKeys:
         """The `StepKeys` of a step's cached keys (`classify`'s first result). A key set seen

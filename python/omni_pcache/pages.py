@@ -35,16 +35,30 @@ class StagingPages:
         self._lock = threading.Lock()
 
     def ensure(self, spec: KeySpec) -> None:
-        """Allocates the key's pages on first sight (engine thread)."""
-        if spec.name in self._pages:
+        """Allocates the key's pages on first sight (engine thread). Pages of another row shape
+        or dtype under the name (left by a save refused after allocating them, whose key was
+        then forgotten) are replaced."""
+        existing = self._pages.get(spec.name)
+        if existing is not None and existing.shape[2:] == spec.row_shape and existing.dtype == spec.dtype:
             return
         storage = empty_host((self._depth, self._capacity, *spec.row_shape), spec.dtype)
         with self._lock:
-            storage = self._pages.setdefault(spec.name, storage)
-            self._views.setdefault(spec.name, tuple(storage.unbind(0)))
+            self._pages[spec.name] = storage
+            self._views[spec.name] = tuple(storage.unbind(0))
+            for page in range(self._depth):
+                self._bytes.pop((spec.name, page), None)
         logger.info(
             "staging for %s: %d pages x %d rows, %s", spec.describe(), self._depth, self._capacity, held_bytes(storage)
         )
+
+    def drop(self, key: str) -> None:
+        """Frees the pages of a key that was forgotten before any step used them (engine
+        thread: a save refused after allocating them)."""
+        with self._lock:
+            self._pages.pop(key, None)
+            self._views.pop(key, None)
+            for page in range(self._depth):
+                self._bytes.pop((key, page), None)
 
     def page(self, key: str, page: int) -> torch.Tensor:
         """The whole page ``page`` of ``key`` (a view)."""

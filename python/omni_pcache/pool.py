@@ -38,14 +38,25 @@ class HostPool:
         self._lock = threading.Lock()
 
     def ensure(self, spec: KeySpec) -> None:
-        """Allocates the key's storage if this is its first sight (engine thread)."""
-        if spec.name in self._rows:
+        """Allocates the key's storage if this is its first sight (engine thread). Storage of
+        another row shape or dtype under the name (left by a save refused after allocating it,
+        whose key was then forgotten) is replaced."""
+        existing = self._rows.get(spec.name)
+        if existing is not None and existing.shape[1:] == spec.row_shape and existing.dtype == spec.dtype:
             return
         shape = (self._num_slots, *spec.row_shape)
         storage = empty_host(shape, spec.dtype) if self._pinned else torch.empty(shape, dtype=spec.dtype)
         with self._lock:
-            self._rows.setdefault(spec.name, storage)
+            self._rows[spec.name] = storage
+            self._bytes.pop(spec.name, None)
         logger.info("host pool for %s: %d slots, %s", spec.describe(), self._num_slots, held_bytes(storage))
+
+    def drop(self, key: str) -> None:
+        """Frees the storage of a key that was forgotten before any row was written to it
+        (engine thread: a save refused after allocating it)."""
+        with self._lock:
+            self._rows.pop(key, None)
+            self._bytes.pop(key, None)
 
     def write(self, key: str, slots: np.ndarray, rows: torch.Tensor) -> None:
         """Scatters ``rows`` to ``slots`` (int64 ids; the writer: the committer's write lock

@@ -18,8 +18,10 @@ def snapshot(value: Any, engine: StepCopy, name: str = "") -> Any:
     the reader must wait the step's copy handle before reading them), containers (dicts, lists,
     tuples, namedtuples) are rebuilt, numpy arrays copied, anything else deep-copied (a device
     tensor inside another object is then copied on its device). Raises `InvalidInputError`,
-    naming the leftover ``name``, for a value that cannot be deep-copied."""
+    naming the leftover ``name``, for a value that cannot be deep-copied or a meta tensor."""
     if isinstance(value, torch.Tensor):
+        if value.is_meta:
+            raise InvalidInputError(f"leftover mm {name!r} holds a meta tensor: it has no data to hand back")
         return engine.snapshot(value)
     if isinstance(value, dict):
         return {k: snapshot(v, engine, name) for k, v in value.items()}
