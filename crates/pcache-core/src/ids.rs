@@ -52,3 +52,14 @@ id_newtype!(
     /// A pending read registered by [`crate::Ledger::plan_read`].
     ReadId(u64), "read#"
 );
+
+/// The first value (in sorted order) that appears more than once in `ids`, if any: how a batch
+/// call refuses a task listed twice before it changes anything.
+pub fn first_repeat<T: Ord + Copy>(ids: &[T]) -> Option<T> {
+    let mut sorted = ids.to_vec();
+    sorted.sort_unstable();
+    sorted
+        .windows(2)
+        .find(|pair| pair[0] == pair[1])
+        .map(|pair| pair[0])
+}

@@ -36,7 +36,7 @@
 use std::collections::HashMap;
 
 use crate::error::{Error, Result};
-use crate::ids::{KeyId, ReadId, TaskId};
+use crate::ids::{first_repeat, KeyId, ReadId, TaskId};
 use crate::ledger_outcomes::Sources;
 pub use crate::ledger_outcomes::{
     contiguous_from, ClaimOutcome, ReadPlan, Source, SOURCE_ABSENT, SOURCE_POOL,
@@ -415,11 +415,9 @@ impl Ledger {
         if let Some(&task) = tasks.iter().find(|t| !self.tasks.contains_key(t)) {
             return Err(Error::UnknownTask { task });
         }
-        let mut sorted = tasks.to_vec();
-        sorted.sort_unstable();
-        if let Some(pair) = sorted.windows(2).find(|pair| pair[0] == pair[1]) {
+        if let Some(twice) = first_repeat(tasks) {
             return Err(Error::InvalidInput {
-                what: format!("{} is listed twice in one commit", pair[0]),
+                what: format!("{twice} is listed twice in one commit"),
             });
         }
         tasks.iter().try_fold(0, |n, &t| Ok(n + self.commit(t)?))

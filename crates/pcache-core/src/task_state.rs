@@ -273,24 +273,31 @@ impl TaskStateCell {
     /// changes) for a task not in a terminal state, or already published, which would hand
     /// the reader one task twice.
     pub fn mark_published(&self) -> Result<Snapshot> {
-        self.update(|now| {
-            let state = now.state();
-            if !state.is_terminal() {
-                Err(Error::InvalidInput {
-                    what: format!(
-                        "{} is {} and cannot complete (only WRITTEN or FAILED tasks do)",
-                        self.task,
-                        state.name()
-                    ),
-                })
-            } else if now.is_published() {
-                Err(Error::InvalidInput {
-                    what: format!("{} was already published as complete", self.task),
-                })
-            } else {
-                Ok(Snapshot(now.0 | PUBLISHED))
-            }
+        self.update(|now| match self.publish_refusal(now) {
+            Some(err) => Err(err),
+            None => Ok(Snapshot(now.0 | PUBLISHED)),
         })
+    }
+
+    /// Why [`TaskStateCell::mark_published`] would refuse the task in state `now`, if it
+    /// would: a batch checks every task with it before publishing any.
+    pub fn publish_refusal(&self, now: Snapshot) -> Option<Error> {
+        let state = now.state();
+        if !state.is_terminal() {
+            Some(Error::InvalidInput {
+                what: format!(
+                    "{} is {} and cannot complete (only WRITTEN or FAILED tasks do)",
+                    self.task,
+                    state.name()
+                ),
+            })
+        } else if now.is_published() {
+            Some(Error::InvalidInput {
+                what: format!("{} was already published as complete", self.task),
+            })
+        } else {
+            None
+        }
     }
 }
 

@@ -21,13 +21,6 @@ pub struct WriteTasks {
 /// Most tasks one `create_many` issues (far above any step's requests: a bound, not a budget).
 const MAX_CREATE_MANY: usize = 1 << 24;
 
-/// The first id that appears twice in `ids`, if any.
-fn first_repeat(ids: &[u64]) -> Option<u64> {
-    let mut sorted = ids.to_vec();
-    sorted.sort_unstable();
-    sorted.windows(2).find(|w| w[0] == w[1]).map(|w| w[0])
-}
-
 fn state_name(s: TaskState) -> &'static str {
     s.name()
 }
@@ -74,14 +67,13 @@ impl WriteTasks {
             .map(|&id| self.table.get(TaskId(id)))
             .collect::<pcache_core::Result<_>>()
             .py_err()?;
-        for task in &tasks {
-            let now = task.state().load();
-            if !now.state().is_terminal() || now.is_published() {
-                // (the refusal `mark_published` gives, before anything is published)
-                return task.state().mark_published().map(drop).py_err();
-            }
+        if let Some(err) = tasks
+            .iter()
+            .find_map(|t| t.state().publish_refusal(t.state().load()))
+        {
+            return Err(err).py_err();
         }
-        if let Some(twice) = first_repeat(task_ids) {
+        if let Some(twice) = pcache_core::ids::first_repeat(task_ids) {
             return Err(invalid_input(format!(
                 "task#{twice} is listed twice in one completion"
             )));
