@@ -450,9 +450,10 @@ TestNativeStateMachine = NativeMachine.TestCase
 
 def test_the_machine_reaches_every_ledger_outcome() -> None:
     # A fixed run of the machine must check each outcome many times, or the comparisons above
-    # could pass on empty lists (stolen slots, preserved rows, reads whose rows moved).
+    # could pass on empty lists (stolen slots, preserved rows, reads whose rows moved). (100
+    # examples reached no moved read when this file ran alone, only after other test files.)
     OUTCOMES.update(dict.fromkeys(OUTCOMES, 0))
     run_state_machine_as_test(
-        NativeMachine, settings=settings(max_examples=100, stateful_step_count=50, derandomize=True, database=None)
+        NativeMachine, settings=settings(max_examples=200, stateful_step_count=50, derandomize=True, database=None)
     )
     assert min(OUTCOMES.values()) >= 10, OUTCOMES
