@@ -47,7 +47,8 @@ from omni_pcache.errors import (
 )
 from omni_pcache.events import NewRequest, ResumedRequest, StepBatch, StepEvents, StepOutputs
 from omni_pcache.failure import release_everything, write_failed_error
-from omni_pcache.keys import KeyRegistry, KeySpec, StepKeys, row_bytes
+from omni_pcache.key_storage import KeyStorage
+from omni_pcache.keys import KeyRegistry, StepKeys, row_bytes
 from omni_pcache.outputs import OutputBuilder, StepRecord
 from omni_pcache.pages import StagingPages
 from omni_pcache.pool import HostPool
@@ -97,6 +98,7 @@ class PrefixCache:
         self._writer = PoolWriter(
             self._tasks, self._ledger, self._staging, self._pool, self._preserved, self._cond, self._pages
         )
+        self._storage = KeyStorage(self._pool, self._pages, self._writer.bytes_written)
         self._reader = HitReader(
             self._ledger,
             self._pool,
@@ -269,7 +271,7 @@ class PrefixCache:
             # registered, so a corrected retry is classified afresh (`KeyRegistry.register`).
             kept_leftover = {name: snapshot(value, copy, name) for name, value in leftover.items()}
             cached, added = self._keys.register(rows, leftover, shape.n)
-            keys = self._keys.step_keys(cached, self._make_room)  # (the same key set every step: one lookup)
+            keys = self._keys.step_keys(cached, self._storage.make_room)  # (the same key set every step: one lookup)
             specs, immediate, deferred = keys.specs, keys.immediate, keys.deferred
             sources: dict[str, torch.Tensor] = {}  # the caller's CPU rows, per immediate key
             staged: dict[str, torch.Tensor] = {}  # the step's rows, per immediate key: page views or own copies
@@ -298,7 +300,8 @@ class PrefixCache:
             if now:
                 self._committer.release_writer()
             self._abandon_save(step_id, page, handle)
-            self._forget_keys(added)  # (nothing is claimed on them yet; their copies have landed)
+            self._keys.forget(added)  # (nothing is claimed on them yet; their copies have landed)
+            self._storage.free(added)
             if self._failure is not None or isinstance(exc, CacheClosedError):  # every call raises the failure
                 raise self._closed_error("the cache was closed during save") from None
             raise
@@ -354,32 +357,6 @@ class PrefixCache:
             with contextlib.suppress(Exception):  # (a copy that fails leaves the page as undefined)
                 handle.wait()
         self._steps.abandon(step_id, page)
-
-    def _make_room(self, keys: StepKeys) -> None:
-        """Pool storage for every key of a new key set, and staging room for its immediate ones.
-        Storage that cannot be allocated (a row too wide for the host) is an `InvalidInputError`."""
-        for spec in keys.specs:
-            self._allocate(spec, "host pool", self._pool.ensure)
-            self._writer.bytes_written.setdefault(spec.name, 0)  # (listed from the start, 0 until written)
-        for spec in keys.immediate:
-            self._allocate(spec, "staging pages", self._pages.ensure)
-
-    @staticmethod
-    def _allocate(spec: KeySpec, what: str, ensure: Callable[[KeySpec], None]) -> None:
-        try:
-            ensure(spec)
-        except (RuntimeError, MemoryError) as exc:  # (torch's allocation failures)
-            raise InvalidInputError(f"{spec.describe()}: its {what} cannot be allocated: {exc}") from exc
-
-    def _forget_keys(self, names: tuple[str, ...]) -> None:
-        """Undoes a refused save's registration of new keys (`KeyRegistry.forget`) and frees
-        the storage it allocated for them (nothing was written there)."""
-        self._keys.forget(names)
-        for name in names:
-            self._pool.drop(name)
-            self._pages.drop(name)
-            if self._writer.bytes_written.get(name) == 0:
-                del self._writer.bytes_written[name]
 
     def _small_cpu_step(self, n: int, keys: StepKeys, sources: dict) -> bool:
         """Whether save may write its step to the pool itself: a step whose rows all come from

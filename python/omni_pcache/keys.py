@@ -110,12 +110,10 @@ class KeyRegistry:
             raise InvalidInputError(f"{_what(name)} was classified as {spec.describe()}, but this step has {got}")
 
     def _spec_for(self, name: str, value: torch.Tensor) -> KeySpec:
-        spec = self._specs.get(name)
-        if spec is None:
-            key_id = self._spare_key_ids.pop() if self._spare_key_ids else self._add_key()
-            spec = KeySpec(name, tuple(value.shape[1:]), value.dtype, key_id)
-            self._specs[name] = spec
-            self._step_keys.clear()  # (their `omitted` keys are made again with this one)
+        """Registers a new key (its ledger id: a forgotten key's, else a new one)."""
+        key_id = self._spare_key_ids.pop() if self._spare_key_ids else self._add_key()
+        spec = self._specs[name] = KeySpec(name, tuple(value.shape[1:]), value.dtype, key_id)
+        self._step_keys.clear()  # (their `omitted` keys are made again with this one)
         return spec
 
     def classify(self, hidden: Any, mm: dict[str, Any], n: int, n_padded: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -159,13 +157,19 @@ class KeyRegistry:
         """Remembers a classified step's new keys (each registered in the ledger) and, with
         discovery on, its new leftover names; returns its rows as ``{name: (spec, tensor)}``
         and the names it added (for `forget`, should the step still be refused)."""
-        added = [name for name in cached if name not in self._specs]
+        added: list[str] = []
+        out: dict[str, tuple[KeySpec, torch.Tensor]] = {}
+        for name, rows in cached.items():
+            spec = self._specs.get(name)
+            if spec is None:
+                spec = self._spec_for(name, rows)
+                added.append(name)
+            out[name] = (spec, rows)
         if leftover and self._policy.token_keys is None and n > 0:
             new_leftover = [k for k in leftover if k not in self._specs and k not in self._leftover]
             self._leftover.update(new_leftover)
             added += new_leftover
-        specs = self._specs
-        return {name: (specs.get(name) or self._spec_for(name, t), t) for name, t in cached.items()}, tuple(added)
+        return out, tuple(added)
 
     def forget(self, names: tuple[str, ...]) -> None:
         """Undoes `register` for a step refused after it (its key storage could not be
