@@ -325,6 +325,24 @@ def test_tracker_appends_replaces_and_forgets() -> None:
     assert len(t) == 0
 
 
+def test_tracker_undo_restores_every_kind_of_change() -> None:
+    t = BlockTracker()
+    t.update(so_of(new=[new_req("a", [1]), new_req("b", [2]), new_req("c", [3]), new_req("d", [4])]))
+    t.update(so_of(preempted_req_ids={"d"}))
+    before = {r: None if b is None else list(b) for r, b in t._blocks.items()}
+    undo = t.update(
+        so_of(
+            finished={"a", "gone"},  # a: finished and resubmitted with its id in the same output
+            new=[new_req("a", [5, 6]), new_req("e", [7])],
+            preempted_req_ids={"b"},
+            cached=cached([("c", [8, 9], 4), ("d", [10], 0)], resumed={"d"}),
+        )
+    )
+    assert t.blocks("a") == [5, 6] and t.blocks("c") == [3, 8, 9] and t.blocks("d") == [10] and "e" in t
+    undo()
+    assert t._blocks == before
+
+
 def test_tracker_reads_an_older_vllms_per_entry_resume_flags() -> None:
     # vLLM before 0.11 has no resumed_req_ids: each cached entry says resumed_from_preemption.
     t = BlockTracker()
@@ -601,6 +619,19 @@ def test_the_recorded_sequence_is_refused_with_block_copies_mid_run() -> None:
             runner.pcache_begin_step(so)
     finally:
         runner.pcache_shutdown()
+
+
+def test_a_step_the_cache_refuses_leaves_the_block_tracker_as_it_was() -> None:
+    """Step 4 of the recorded sequence first comes with a block id past the cache's blocks in
+    B's resumed list: the cache refuses it, and the tracker must not keep A's appended block
+    or B's new list (before, the tracker applied the output before the cache checked it: A's
+    list then held block 13 twice, and every later slot of A was wrong)."""
+    step4 = RECORDED[3]
+    bad = dataclasses.replace(
+        step4,
+        cached=[dataclasses.replace(c, new_blocks=[1, 2, 99]) if c.req_id == "B" else c for c in step4.cached],
+    )
+    replay(T, refused_before={4: (bad, InvalidInputError, r"'B': block id 99 at position 2 is out of range")})
 
 
 @pytest.mark.parametrize("runner_kind", ["v1", "v2"])

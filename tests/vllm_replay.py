@@ -32,6 +32,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from omni_pcache import CachePolicy
@@ -347,10 +348,17 @@ class Runner(PrefixCacheRunnerMixin):
 
 
 def replay(
-    t: Any, *, order: str = "scheduler", output: str = "inline", scenario: Scenario = RECORDED_SCENARIO
+    t: Any,
+    *,
+    order: str = "scheduler",
+    output: str = "inline",
+    scenario: Scenario = RECORDED_SCENARIO,
+    refused_before: dict[int, tuple[Step, type[BaseException], str]] | None = None,
 ) -> Runner:
     """Replays a scenario through a mixin runner with a real, threaded `PrefixCache`; asserts
-    the slot mapping of every step and every request's concatenated rows."""
+    the slot mapping of every step and every request's concatenated rows. ``refused_before``
+    maps a step number to a SchedulerOutput sent before it that ``pcache_begin_step`` must
+    refuse (its error type and a message pattern) without changing the block tracker."""
     runner = Runner(order, output, scenario.tokens)
     runner.pcache_load_policy(CachePolicy(token_keys=frozenset({"codes"})))
     assert runner.pcache_init(**stage_configs(t, scenario), is_last_pipeline_stage=True, tensor_parallel_rank=0)
@@ -358,6 +366,13 @@ def replay(
     bs = scenario.block_size
     try:
         for step_no, step in enumerate(scenario.steps, start=1):
+            if refused_before and step_no in refused_before:
+                bad, error, message = refused_before[step_no]
+                tracker = runner._pcache_state.tracker
+                before = {r: None if b is None else list(b) for r, b in tracker._blocks.items()}
+                with pytest.raises(error, match=message):
+                    runner.pcache_begin_step(scheduler_output(t, bad, scenario))
+                assert tracker._blocks == before, f"step {step_no}: a refused step changed the block tracker"
             so = scheduler_output(t, step, scenario)
             computed = kv.apply(step)
             runner.execute_model(so, step_no, computed)

@@ -132,8 +132,12 @@ class PrefixCacheRunnerMixin:
             state.cache = make(state.config, state.policy)
         if not state.output_rank:
             return
-        state.tracker.update(scheduler_output)
-        state.cache.begin_step(step_events(scheduler_output, state.tracker))
+        undo = state.tracker.update(scheduler_output)
+        try:
+            state.cache.begin_step(step_events(scheduler_output, state.tracker))
+        except BaseException:  # (a refused step leaves the tracker as it was, as it leaves the cache)
+            undo()
+            raise
 
     def pcache_save(
         self,

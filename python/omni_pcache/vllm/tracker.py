@@ -17,12 +17,13 @@ SchedulerOutput, in order, including steps with zero scheduled tokens):
 A ``SchedulerOutput`` carrying ``kv_cache_block_copies`` is refused with `ConfigError` (the
 scheduler copies a block's KV for a sub-block hit; the cache does not mirror those copies), and
 one naming a running request the tracker does not hold raises `InvalidInputError`; both before
-anything changes. Engine thread only.
+anything changes. `update` returns an undo: the mixin calls it when the cache refuses the
+step's events, so a refused step leaves the tracker as it was. Engine thread only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from omni_pcache.errors import ConfigError, InvalidInputError
@@ -55,14 +56,19 @@ def resumed_ids(cached: Any) -> set[str]:
     return {req_id for req_id, flag in zip(cached.req_ids, flags, strict=False) if flag}
 
 
+_ABSENT = object()  # (an undo entry's "the request was not known")
+
+
 class BlockTracker:
     """Block ids (KV group 0) of every request the scheduler has sent and not yet finished."""
 
     def __init__(self) -> None:
         self._blocks: dict[str, list[int] | None] = {}  # None: preempted, blocks freed
 
-    def update(self, scheduler_output: Any) -> None:
-        """Applies one SchedulerOutput (see the module doc for the rules)."""
+    def update(self, scheduler_output: Any) -> Callable[[], None]:
+        """Applies one SchedulerOutput (see the module doc for the rules). Returns a function
+        that undoes it, valid until the next `update` (what each request had before: the
+        replaced or forgotten lists themselves, and each extended list's former length)."""
         so = scheduler_output
         if getattr(so, "kv_cache_block_copies", None):
             copies = list(so.kv_cache_block_copies)
@@ -98,18 +104,42 @@ class BlockTracker:
                     f"SchedulerOutput schedules running request {req_id!r}, which is {state} to the tracker: "
                     "every SchedulerOutput must reach pcache_begin_step, in order"
                 )
+        blocks_of = self._blocks
+        # What each changed request had before, oldest first: (req_id, its entry or _ABSENT) for
+        # an entry replaced or removed; (req_id, former length) for a list extended in place.
+        replaced: list[tuple[str, Any]] = []
+        extended: list[tuple[str, int]] = []
         for req_id in finished:
-            self._blocks.pop(req_id, None)
+            if req_id in blocks_of:
+                replaced.append((req_id, blocks_of.pop(req_id)))
         for req_id in preempted:
-            if req_id in self._blocks:
-                self._blocks[req_id] = None
+            if req_id in blocks_of:
+                replaced.append((req_id, blocks_of[req_id]))
+                blocks_of[req_id] = None
         for req_id, blocks in new_lists:
-            self._blocks[req_id] = [] if blocks is None else blocks
+            replaced.append((req_id, blocks_of.get(req_id, _ABSENT)))
+            blocks_of[req_id] = [] if blocks is None else blocks
         for req_id, new_ids in cached_lists:
             if req_id in resumed:
-                self._blocks[req_id] = [] if new_ids is None else list(new_ids[0])
+                replaced.append((req_id, blocks_of.get(req_id, _ABSENT)))
+                blocks_of[req_id] = [] if new_ids is None else list(new_ids[0])
             elif new_ids is not None and new_ids[0]:
-                self._blocks[req_id].extend(new_ids[0])  # type: ignore[union-attr]
+                listed = blocks_of[req_id]
+                extended.append((req_id, len(listed)))  # type: ignore[arg-type]
+                listed.extend(new_ids[0])  # type: ignore[union-attr]
+
+        def undo() -> None:
+            # (each change restores what it found: lists cut back to their former lengths, then
+            # entries put back newest first, so an entry changed twice ends as it began)
+            for req_id, length in extended:
+                del blocks_of[req_id][length:]  # type: ignore[index]
+            for req_id, before in reversed(replaced):
+                if before is _ABSENT:
+                    blocks_of.pop(req_id, None)
+                else:
+                    blocks_of[req_id] = before
+
+        return undo
 
     def blocks(self, req_id: str) -> list[int]:
         """The block ids of a live, not preempted request (the tracker's list: do not modify)."""
