@@ -263,6 +263,24 @@ def test_resume_does_not_repeat_delivered_rows() -> None:
         check(cache.materialize(step, ["a"]), "a", (2, 10, 1))
 
 
+def test_a_per_row_leftover_leaves_out_the_rows_a_resumed_request_already_delivered() -> None:
+    with small_cache(policy=CachePolicy(token_keys=frozenset())) as cache:  # (every mm entry is leftover)
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2])]))
+        first = cache.save(
+            rows(1, 0, 10), {"pos": torch.arange(10)}, StepBatch(["a"], [10], slots_of([0, 1, 2], 0, 10, BS))
+        )
+        assert torch.equal(cache.materialize(first, ["a"]).mm["pos"]["a"], torch.arange(10))
+        # Preempted, resumed at 4 beside a new request: [4, 10) was delivered, so a gets rows
+        # from 10 on, of its hidden states and of the per-row leftover alike.
+        cache.begin_step(StepEvents(new=[NewRequest("m", [7])], resumed=[ResumedRequest("a", [0, 5, 6], 4)]))
+        hidden = torch.cat([rows(2, 4, 7), rows(3, 0, 2)])
+        pos = torch.cat([torch.arange(4, 11), torch.arange(100, 102)])
+        slots = np.concatenate([slots_of([0, 5, 6], 4, 7, BS), slots_of([7], 0, 2, BS)])
+        out = cache.materialize(cache.save(hidden, {"pos": pos}, StepBatch(["a", "m"], [7, 2], slots)), ["a", "m"])
+        assert torch.equal(out.hidden["a"], rows(2, 10, 1)) and torch.equal(out.mm["pos"]["a"], torch.tensor([10]))
+        assert torch.equal(out.hidden["m"], rows(3, 0, 2)) and torch.equal(out.mm["pos"]["m"], torch.tensor([100, 101]))
+
+
 def test_a_resumed_request_with_nothing_new_gets_empty_rows_not_a_missing_key() -> None:
     with small_cache() as cache:
         cache.materialize(save(cache, [("a", [0, 1, 2], 0, 10, 1)], new=[NewRequest("a", [0, 1, 2])]), ["a"])

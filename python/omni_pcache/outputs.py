@@ -158,9 +158,10 @@ class OutputBuilder:
             per_key[name] = dict(zip(req_ids, pieces, strict=True))
         hidden: dict[str, Any] | None = per_key.pop(HIDDEN) if HIDDEN in per_key else None
         mm: dict[str, dict[str, Any]] = per_key
-        for name, value in record.leftover.items():  # whole, or each request's rows of it
+        for name, value in record.leftover.items():  # whole, or the rows each request returns of it
             if is_per_row(value, record.n, record.n_padded):
-                mm[name] = {req_id: value[s : s + c] for req_id, (s, c, _) in zip(req_ids, spans, strict=True)}
+                # (as for the cached keys, a resumed request's rows its consumer already has are left out)
+                mm[name] = {req_id: value[s + d : s + c] for req_id, (s, c, d) in zip(req_ids, spans, strict=True)}
             else:
                 mm[name] = dict.fromkeys(req_ids, value)
         return StepOutputs(hidden, mm)
