@@ -61,7 +61,7 @@ bench: setup develop
     python benches/core_results.py
     python benches/save_overhead.py
     .venv-bench/bin/python benches/step_overhead.py
-    .venv-bench/bin/python benches/step_overhead.py --sizes 8192 --malloc-reuse --out benches/results/step_overhead_malloc_reuse.json
+    .venv-bench/bin/python benches/step_overhead.py --sizes 8192 --malloc-reuse  # (writes benches/results/step_overhead_malloc_reuse.json)
     python benches/hashing.py
     python benches/engine.py
     python benches/cold_floor.py

@@ -575,8 +575,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="rerun under glibc settings that reuse freed blocks over 32 MiB (see MALLOC_REUSE)",
     )
-    parser.add_argument("--out", type=Path, default=RESULTS / "step_overhead.json")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="the JSON to write (default: results/step_overhead.json, or step_overhead_malloc_reuse.json "
+        "with --malloc-reuse, so a run under other allocator settings never replaces the default run's)",
+    )
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = RESULTS / ("step_overhead_malloc_reuse.json" if args.malloc_reuse else "step_overhead.json")
     if args.malloc_reuse and any(os.environ.get(k) != v for k, v in MALLOC_REUSE.items()):
         sys.stdout.flush()
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_REUSE})
