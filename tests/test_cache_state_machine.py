@@ -23,7 +23,7 @@ must return exactly the model's rows, captured when the step was saved: a late r
 block reused since then must still see the old tenant's rows. At teardown everything is
 consumed, a last request hits every full block (what the pool holds in the end), and the
 cache must be back to idle: no staging page held, no live task, no preserved entry, no open
-deferred record and no device bytes.
+deferred record, no device bytes, no live request and no pending hit read.
 """
 
 from __future__ import annotations
@@ -532,6 +532,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert stats.preserved_entries == 0, stats
             assert stats.staging_holders == [[] for _ in range(STAGING_DEPTH)]
             assert stats.deferred_open == 0 and stats.device_bytes == 0, stats
+            assert stats.requests_live == 0 and stats.reads_pending == 0, stats
         finally:
             self.cache.close()
 

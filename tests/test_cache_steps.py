@@ -471,3 +471,22 @@ def test_an_id_finished_and_new_in_one_step_is_checked_as_a_new_request() -> Non
             cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1], 3)], finished=["a"]))
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1], 4)], finished=["a"]))
         assert cache.stats().hits == 1
+
+
+def test_stats_count_live_requests_and_pending_hit_reads_back_to_zero() -> None:
+    with small_cache() as cache:  # (blocks of 4 slots)
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1]), NewRequest("b", [2])]))
+        slots = np.array([0, 1, 2, 3, 8, 9])  # a's 4 rows in block 0, b's 2 in block 2
+        cache.materialize(
+            cache.save(torch.ones(6, 2), {"codes": torch.arange(6)}, StepBatch(["a", "b"], [4, 2], slots)), ["a", "b"]
+        )
+        assert (cache.stats().requests_live, cache.stats().reads_pending) == (2, 0)
+        # c hits a's first block: one pending read per cached key until its step is consumed.
+        cache.begin_step(StepEvents(new=[NewRequest("c", [0, 3], 4)], finished=["b"]))
+        hit = cache.save(torch.ones(1, 2), {"codes": torch.arange(1)}, StepBatch(["c"], [1], np.array([12])))
+        stats = cache.stats()
+        assert (stats.requests_live, stats.reads_pending) == (2, 2)  # a and c; hidden and codes
+        cache.discard(hit)
+        assert cache.stats().reads_pending == 0
+        cache.begin_step(StepEvents(finished=["a", "c"]))
+        assert cache.stats().requests_live == 0

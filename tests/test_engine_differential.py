@@ -94,6 +94,9 @@ def check(config, workload, num_requests, seed, abort_rate):
     assert stats.staging_holders == [[]] * len(stats.staging_holders), "every staging page free at the end"
     assert stats.steps_outstanding == []
     assert stats.device_bytes == 0 and stats.deferred_open == 0, "device budget back to 0 bytes"
+    assert (stats.tasks_live, stats.preserved_entries, stats.reads_pending, stats.requests_live) == (0, 0, 0, 0), (
+        "every write landed, every preserved row and hit read consumed, every request forgotten"
+    )
     assert all(out.leftover_off_host == 0 for out in cached.outputs.values()), "leftovers come back on the host"
     assert all(out.leftover_wrong == 0 for out in cached.outputs.values()), "leftovers come back as the model made them"
     return cached, result

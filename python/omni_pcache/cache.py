@@ -136,6 +136,7 @@ class PrefixCache:
         )
         # What each live request's consumer has been given (native: `pcache_core::delivery`).
         self._delivery = Deliveries(config.block_size)
+        self._requests_live = 0
         self._failure: WriteFailedError | None = None
         self._closed = False
         # The committer reaches the cache only weakly, so a cache dropped without close() is
@@ -222,6 +223,7 @@ class PrefixCache:
         hits, misses, reentered = self._delivery.begin(
             finished, new, resumed, NewRequest, ResumedRequest, self._config.num_blocks
         )
+        self._requests_live = len(self._delivery)  # (for `stats` on any thread: `Deliveries` is the engine thread's)
         flushed = 0
         try:
             if self._open_writes or self._deferred.open:
@@ -531,6 +533,8 @@ class PrefixCache:
             preserved_entries=len(self._preserved),
             device_bytes=self._deferred.budget.used,
             deferred_open=len(self._deferred.open),
+            requests_live=self._requests_live,
+            reads_pending=self._ledger.num_pending_reads,
         )
 
 
