@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -87,10 +88,13 @@ def test_a_save_waiting_for_a_page_wakes_when_a_write_fails() -> None:
     cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
     save_one(cache)
     waiter, errors = start_thread(save_one, cache, 2)
+    time.sleep(0.1)  # (the save is waiting for the page the failing write holds)
+    assert waiter.is_alive() and not errors, "the second save must be waiting for the only page"
     gate.set()
     waiter.join(10)
     assert not waiter.is_alive(), "the waiting save hung"
-    assert len(errors) == 1 and isinstance(errors[0], WriteFailedError)
+    assert len(errors) == 1 and isinstance(errors[0], WriteFailedError), errors
+    assert "failed: OSError('injected')" in str(errors[0])
     cache._writer.write_batch = write
     cache.close()
 
@@ -236,8 +240,14 @@ def test_a_save_that_fails_after_handing_its_copy_over_leaves_no_copy_into_the_p
     # begin_step. The refused copy must have landed first, not at that fence, over the new rows.
     from omni_pcache import copy_engine
 
-    with small_cache(staging_depth=1) as cache:
+    # (every step through the page: a small step save writes itself is read from its own copies)
+    with small_cache(staging_depth=1, inline_write_bytes=0) as cache:
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        # A first step registers the key, so the refused save copies into the page every later
+        # step uses (a key's first save that is refused frees the storage it allocated).
+        first = cache.save(torch.full((4, 2), 3.0), {}, StepBatch(["a"], [4], np.arange(4)))
+        cache.materialize(first, ["a"])
+        cache.begin_step(StepEvents())
         clone_step = cache._deferred.clone_step
 
         def refuse(*args, **kwargs):
@@ -246,12 +256,16 @@ def test_a_save_that_fails_after_handing_its_copy_over_leaves_no_copy_into_the_p
         monkeypatch.setattr(copy_engine, "INLINE_COPY_BYTES", 0)  # the copy goes to the committer
         cache._deferred.clone_step = refuse
         with pytest.raises(RuntimeError, match="injected"):
-            cache.save(torch.full((4, 2), 7.0), {}, StepBatch(["a"], [4], np.arange(4)))
+            cache.save(torch.full((4, 2), 7.0), {}, StepBatch(["a"], [4], np.arange(4, 8)))
         monkeypatch.setattr(copy_engine, "INLINE_COPY_BYTES", 1 << 20)  # the retry copies in save
         cache._deferred.clone_step = clone_step
-        sid = cache.save(torch.full((4, 2), 1.0), {}, StepBatch(["a"], [4], np.arange(4)))
+        sid = cache.save(torch.full((4, 2), 1.0), {}, StepBatch(["a"], [4], np.arange(4, 8)))
         cache.begin_step(StepEvents())  # the fence: the step's rows are read from its page now
         assert torch.equal(cache.materialize(sid, ["a"]).hidden["a"], torch.full((4, 2), 1.0))
+        cache.flush()
+        cache.begin_step(StepEvents(new=[NewRequest("h", [0, 1, 2], 8)]))
+        hit = cache.materialize(cache.save(torch.zeros(1, 2), {}, StepBatch(["h"], [1], np.array([8]))), ["h"])
+        assert torch.equal(hit.hidden["h"][:8], torch.cat([torch.full((4, 2), 3.0), torch.full((4, 2), 1.0)]))
         assert cache.stats().staging_holders == [[]]
 
 

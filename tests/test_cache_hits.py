@@ -14,13 +14,16 @@ from omni_pcache import NewRequest, StepBatch, StepEvents, UnservableHitError, o
 BS = 4
 
 
-def run_step(cache, new=(), finished=(), reqs=(), mm_fn=None):
-    """One begin_step + save. ``reqs``: (req_id, block_ids, start, count, writer)."""
+def run_step(cache, new=(), finished=(), reqs=(), mm_fn=None, keep=None):
+    """One begin_step + save. ``reqs``: (req_id, block_ids, start, count, writer). ``keep``: a
+    dict that receives the step's input tensors (``hidden`` and the mm keys)."""
     cache.begin_step(StepEvents(new=list(new), finished=list(finished)))
     hidden = torch.cat([rows(w, s, c) for _, _, s, c, w in reqs])
     mm = {"codes": torch.cat([rows(w, s, c, width=2, dtype=torch.int64) for _, _, s, c, w in reqs])}
     if mm_fn is not None:
         mm = mm_fn(reqs)
+    if keep is not None:
+        keep.update(mm, hidden=hidden)
     slot_lists = [slots_of(b, s, c, BS) for _, b, s, c, _ in reqs]
     return cache.save(hidden, mm, batch([(r, c) for r, _, _, c, _ in reqs], slot_lists))
 
@@ -109,15 +112,13 @@ def test_same_step_hit_on_blocks_another_request_computes_now(inline_write_bytes
 def test_outputs_built_in_chunks_are_each_requests_rows_and_its_own_to_write(monkeypatch, chunk_rows, late) -> None:
     # The widest key ("codes": 2 int64) has 16-byte rows: a chunk holds up to chunk_rows rows
     # of requests (1: each request alone; 10,000: the whole step in one chunk). ``late``:
-    # materialized after the next begin_step, from the staging page instead of the inputs.
+    # materialized after the next begin_step, when the caller has overwritten its inputs, from
+    # the staging page (every step handed to the committer: a small step save wrote itself
+    # would be read from its own copies instead).
     monkeypatch.setattr(outputs, "OUTPUT_CHUNK_BYTES", chunk_rows * 16)
-    inputs = {}
+    inputs = {}  # the step's inputs, kept to check that no output aliases them
 
-    def keep_inputs(reqs):  # the step's mm input, kept to check that no output aliases it
-        inputs["codes"] = torch.cat([rows(w, s, c, width=2, dtype=torch.int64) for _, _, s, c, w in reqs])
-        return {"codes": inputs["codes"]}
-
-    with small_cache() as cache:
+    with small_cache(**({"inline_write_bytes": 0} if late else {})) as cache:
         cache.materialize(run_step(cache, [NewRequest("a", [0, 1, 2])], reqs=[("a", [0, 1, 2], 0, 12, 1)]), ["a"])
         cache.flush()
         reqs = [
@@ -129,9 +130,11 @@ def test_outputs_built_in_chunks_are_each_requests_rows_and_its_own_to_write(mon
             ("f", [10], 0, 3, 6),
         ]
         new = [NewRequest(r, b, s) for r, b, s, _, _ in reqs]
-        sid = run_step(cache, new, reqs=reqs, mm_fn=keep_inputs)
+        sid = run_step(cache, new, reqs=reqs, keep=inputs)
         if late:
             cache.begin_step(StepEvents())
+            for tensor in inputs.values():  # (the caller's again after begin_step)
+                tensor.fill_(-7)
         want = {
             "b": [(1, 0, 8), (2, 8, 3)],
             "c": [(3, 0, 5)],
@@ -152,7 +155,11 @@ def test_outputs_built_in_chunks_are_each_requests_rows_and_its_own_to_write(mon
                 if other not in written:
                     expect(out, other, spans)
         # ... nor the step's inputs, nor the pool: a later hit on a's prefix still reads a's rows.
-        assert torch.equal(inputs["codes"][:3], rows(2, 8, 3, width=2, dtype=torch.int64))
+        if late:
+            assert all(bool((tensor == -7).all()) for tensor in inputs.values())
+        else:
+            assert torch.equal(inputs["codes"][:3], rows(2, 8, 3, width=2, dtype=torch.int64))
+            assert torch.equal(inputs["hidden"][:3], rows(2, 8, 3))
         sid = run_step(cache, [NewRequest("g", [0, 12], 4)], reqs=[("g", [0, 12], 4, 1, 7)])
         expect(cache.materialize(sid, ["g"]), "g", [(1, 0, 4), (7, 4, 1)])
 

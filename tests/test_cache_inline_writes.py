@@ -201,4 +201,10 @@ def test_padded_strided_and_complex_rows_are_saved_whole() -> None:
         sid = cache.save(base[:, 1::2], {"waves": waves}, StepBatch(["c"], [8], np.arange(16, 24), 10))
         assert cache.stats().tasks_live == 0, "still written inside save"
         assert torch.equal(cache.materialize(sid, ["c"]).mm["waves"]["c"], waves[:8])
+        # (c's rows were read back from the caller's tensors above: a hit reads what reached the pool)
+        cache.begin_step(StepEvents(new=[NewRequest("h", [4, 5, 6], 8)]))
+        one_wave = torch.zeros(1, 2, dtype=torch.complex64)
+        sid = cache.save(rows(9, 8, 1, width=3), {"waves": one_wave}, StepBatch(["h"], [1], np.array([24])))
+        out = cache.materialize(sid, ["h"])
+        assert torch.equal(out.hidden["h"][:8], base[:8, 1::2]) and torch.equal(out.mm["waves"]["h"][:8], waves[:8])
         assert torch.equal(hit_rows(cache, [0, 1, 2], 8, 8), strided[:8])
