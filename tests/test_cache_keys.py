@@ -325,7 +325,9 @@ def test_a_device_leftover_is_read_after_its_copy_lands(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(StepCopy, "snapshot", snapshot)
     monkeypatch.setattr(StepCopy, "finish", finish)
-    with small_cache(policy=policy) as cache:
+    with small_cache(
+        policy=policy, inline_write_bytes=0
+    ) as cache:  # (a step save writes itself waits its copies whole)
         gate = threading.Event()  # the committer would wait the handle too: hold it back
         write = cache._writer.write_batch
         cache._writer.write_batch = lambda records: (gate.wait(10), write(records))

@@ -43,13 +43,16 @@ def test_the_committer_thread_writes_the_pool_and_save_does_not_wait_for_it() ->
         sid = cache.save(torch.ones(4, 2), {}, StepBatch(["a"], [4], np.arange(4)))
         # save returned while its write is blocked on the committer thread
         assert writers == []
-        out = cache.materialize(sid, ["a"])  # this step's own rows come from staging
+        out = cache.materialize(sid, ["a"])  # (read in place from the caller's tensor: same thread, same step)
         assert torch.equal(out.hidden["a"], torch.ones(4, 2))
         assert cache.stats().tasks_live == 1, "its write is still on its way to the pool"
         gate.set()
         cache.flush()
         assert writers == ["omni-pcache-committer"]
         assert cache.stats().tasks_live == 0, "written: not live once flush returns, before any begin_step"
+        cache.begin_step(StepEvents(new=[NewRequest("b", [0, 2], 4)]))  # what reached the pool
+        out = cache.materialize(cache.save(torch.zeros(1, 2), {}, StepBatch(["b"], [1], np.array([8]))), ["b"])
+        assert torch.equal(out.hidden["b"], torch.cat([torch.ones(4, 2), torch.zeros(1, 2)]))
 
 
 def test_a_small_cpu_step_is_written_inside_save_while_the_committer_is_idle() -> None:
@@ -99,6 +102,9 @@ def test_a_small_step_saved_while_the_committer_writes_is_handed_to_it_not_waite
         assert writers == ["omni-pcache-committer"] * 2
         cache.discard(first)
         assert torch.equal(cache.materialize(second, ["a"]).hidden["a"], torch.zeros(1, 2))
+        cache.begin_step(StepEvents(new=[NewRequest("b", [0, 1, 3], 8)]))  # the first step's rows in the pool
+        out = cache.materialize(cache.save(torch.zeros(1, 2), {}, StepBatch(["b"], [1], np.array([12]))), ["b"])
+        assert torch.equal(out.hidden["b"], torch.cat([torch.ones(8, 2), torch.zeros(1, 2)]))
 
 
 def recording_host_copies(monkeypatch) -> list[str]:
@@ -126,8 +132,9 @@ def test_cpu_staging_copies_run_on_the_committer_not_in_save(monkeypatch) -> Non
         sid = cache.save(h, {}, StepBatch(["a"], [4], np.arange(4)))
         cache.flush()
         assert copiers == ["omni-pcache-committer"]
+        cache.begin_step(StepEvents())  # (after it materialize reads the staging page, not h)
         assert torch.equal(cache.materialize(sid, ["a"]).hidden["a"], h)
-        assert copiers == ["omni-pcache-committer"]  # materialize found the copy done
+        assert copiers == ["omni-pcache-committer"]  # the fence and materialize found the copy done
 
 
 def test_saved_cpu_tensors_may_be_reused_after_the_next_begin_step(monkeypatch) -> None:
@@ -179,18 +186,20 @@ def test_small_cpu_copies_are_made_in_save(monkeypatch) -> None:
     from omni_pcache import copy_engine
 
     monkeypatch.setattr(copy_engine, "INLINE_COPY_BYTES", 1024)
-    with small_cache() as cache:
+    # (handed to the committer: a small step save writes itself is copied by its own path)
+    with small_cache(inline_write_bytes=0) as cache:
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
         h = torch.arange(8.0).reshape(4, 2)
         sid = cache.save(h, {}, StepBatch(["a"], [4], np.arange(4)))
         cache.flush()
-        assert copiers == []  # no deferred copy: the 32-byte step was copied inside save
+        assert copiers == []  # no deferred copy: the 32-byte step was copied into the page inside save
         assert torch.equal(cache.materialize(sid, ["a"]).hidden["a"], h)
         assert cache.stats().bytes_written == {"hidden": 32}
 
 
 def test_threaded_false_writes_inline_on_the_engine_thread() -> None:
-    with small_cache(threaded=False) as cache:
+    # (inline_write_bytes=0: with a committer thread, this step would go to it)
+    with small_cache(threaded=False, inline_write_bytes=0) as cache:
         writers = recording_pool_writes(cache)
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
         cache.discard(cache.save(torch.ones(4, 2), {}, StepBatch(["a"], [4], np.arange(4))))
@@ -335,6 +344,10 @@ def test_a_cache_finalized_on_its_committer_thread_ends_the_thread_without_faili
     assert not thread.is_alive()
     cache.flush()  # the write landed and nothing failed
     assert torch.equal(cache.materialize(sid, ["a"]).hidden["a"], torch.full((4, 2), 3.0))
+    # (the stopped committer leaves this step to the engine thread, inline)
+    cache.begin_step(StepEvents(new=[NewRequest("b", [0, 2], 4)]))
+    out = cache.materialize(cache.save(torch.zeros(1, 2), {}, StepBatch(["b"], [1], np.array([8]))), ["b"])
+    assert torch.equal(out.hidden["b"], torch.cat([torch.full((4, 2), 3.0), torch.zeros(1, 2)]))
     cache.close()
 
 

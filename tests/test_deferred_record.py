@@ -12,23 +12,24 @@ from omni_pcache.keys import KeySpec
 CODES = KeySpec("codes", (3,), torch.int64, 0)
 
 
-def record_of_three_steps(budget: DeviceBudget) -> tuple[DeferredRecord, torch.Tensor]:
+def record_of_three_steps(budget: DeviceBudget) -> tuple[DeferredRecord, torch.Tensor, list[Clone]]:
     """A record holding rows of three steps (4, 1 and 5 rows, each a slice of its step's clone
-    shared with another request), and the record's rows in order."""
+    shared with another request), the record's rows in order, and the three clones."""
     record = DeferredRecord(7, "r", 1, (CODES,), copy_chunk_bytes=2 * CODES.row_bytes)  # 2-row pieces
-    expected = []
+    expected, clones = [], []
     for step, (start, count) in enumerate([(2, 4), (0, 1), (3, 5)]):
         step_rows = torch.arange(step * 100, step * 100 + 30).reshape(10, 3)
         clone = Clone.of(step_rows, holders=2, budget=budget)
         budget.charge(clone.nbytes)
         clone.owners.append(record)
+        clones.append(clone)
         record.append({"codes": clone}, start, count, np.arange(count) + 10 * step)
         expected.append(step_rows[start : start + count])
-    return record, torch.cat(expected)
+    return record, torch.cat(expected), clones
 
 
 def test_rows_before_the_write_are_gathered_from_each_chunk_in_the_order_asked() -> None:
-    record, expected = record_of_three_steps(DeviceBudget(1 << 20))
+    record, expected, _ = record_of_three_steps(DeviceBudget(1 << 20))
     positions = torch.tensor([9, 0, 4, 5, 3, 9, 6], dtype=torch.int64)  # across chunks, unordered, repeated
     assert torch.equal(record.rows(CODES, positions), expected[positions])
     assert record.rows(CODES, torch.tensor([], dtype=torch.int64)).shape == (0, 3)
@@ -37,19 +38,24 @@ def test_rows_before_the_write_are_gathered_from_each_chunk_in_the_order_asked()
 
 def test_the_host_copy_serves_reads_and_release_lets_the_clones_go() -> None:
     budget = DeviceBudget(1 << 20)
-    record, expected = record_of_three_steps(budget)
+    record, expected, clones = record_of_three_steps(budget)
     record.prepare()
     assert torch.equal(record.host["codes"], expected)
     record.release()
     assert record.chunks == {}, "written to the host: the record no longer holds the device clones"
+    assert [clone.holders for clone in clones] == [1, 1, 1], "the record let each clone go once"
     assert budget.used == 3 * 10 * CODES.row_bytes, "the clones' other holders still hold them"
     assert torch.equal(record.rows(CODES, torch.tensor([8, 1])), expected[[8, 1]])
+    for clone in clones:  # (the other requests' records let go too)
+        clone.release()
+    assert budget.used == 0
 
 
 def test_a_release_before_the_host_copy_keeps_the_clones_readable() -> None:
     budget = DeviceBudget(1 << 20)
-    record, expected = record_of_three_steps(budget)
+    record, expected, clones = record_of_three_steps(budget)
     record.release()  # (a failure before the write)
     record.release()  # idempotent: each clone released once
+    assert [clone.holders for clone in clones] == [1, 1, 1]
     assert budget.used == 3 * 10 * CODES.row_bytes
     assert torch.equal(record.rows(CODES, torch.tensor([2, 7])), expected[[2, 7]])
