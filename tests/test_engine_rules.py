@@ -201,3 +201,43 @@ def test_a_shuffled_batch_hands_the_cache_each_steps_rows_in_another_order() -> 
     assert batch_orders != scheduler_orders, "some step's rows reordered"
     reference = Engine(replace(config, enable_prefix_caching=False)).run(make_workload("mixed", 30, 0))
     assert compare(cached, reference, 0.0).ok
+
+
+def test_a_step_that_preempts_schedules_nothing_from_the_waiting_queue() -> None:
+    # As vLLM: once a step preempted a request, no waiting request is scheduled in it. Here the
+    # victim (r2, put back at the front of the queue) would rematch its freed blocks and resume
+    # at once in step 2 otherwise (found by searching small configurations).
+    kv = KVCacheManager(4, BS, enable_prefix_caching=True)
+    sched = Scheduler(kv, max_num_batched_tokens=8, max_num_running=8, long_prefill_tokens=4)
+    reqs = [
+        req(f"r{i}", list(range(100 * i, 100 * i + n)), outputs=(1,) * o)
+        for i, (n, o) in enumerate([(3, 2), (3, 8), (9, 8)])
+    ]
+    for r in reqs:
+        sched.add(r)
+    for step in range(40):
+        s = sched.schedule(step)
+        if s.preempted:
+            assert step == 2 and [r.req_id for r in s.preempted] == ["r2"]
+            assert s.new == [] and s.resumed == [] and reqs[2] in sched.waiting
+            break
+        sched.update(s)
+    else:
+        raise AssertionError("nothing was preempted")
+
+
+def test_an_abort_after_the_request_finished_changes_nothing() -> None:
+    # A client may cancel a request the engine has just finished: it stays finished, reported once.
+    kv = KVCacheManager(8, BS, enable_prefix_caching=True)
+    sched = Scheduler(kv, max_num_batched_tokens=64, max_num_running=8)
+    a = req("a", list(range(6)), outputs=(7,))
+    sched.add(a)
+    step = 0
+    while a.status is not Status.FINISHED:
+        sched.update(sched.schedule(step))
+        step += 1
+    assert sched.schedule(step).finished == ["a"]
+    free = kv.pool.num_free
+    sched.abort(a)
+    assert a.status is Status.FINISHED and kv.pool.num_free == free
+    assert sched.schedule(step + 1).finished == []

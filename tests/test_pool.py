@@ -88,6 +88,28 @@ def test_rows_of_another_row_shape_or_lazily_conjugated_go_through_index_copy() 
     rows = torch.complex(torch.arange(12.0), torch.ones(12)).reshape(2, 2, 3)
     pool.write("k", slots, rows.conj())  # a lazy conjugate view: written resolved
     assert torch.equal(pool.read("k", torch.from_numpy(slots)), rows.conj().resolve_conj())
+    real = HostPool(16)
+    real.ensure(KeySpec("r", (2, 3), torch.float32, 1))
+    # A contiguous, lazily negated view (its memory holds +1, it reads -1): what `.imag` of a
+    # conjugate view is, made contiguous by torch's own helper (a strided one is copied resolved).
+    negated = torch._neg_view(torch.ones(2, 2, 3))
+    assert negated.is_neg() and negated.is_contiguous()
+    real.write("r", slots, negated)
+    assert torch.equal(real.read("r", torch.from_numpy(slots)), torch.full((2, 2, 3), -1.0))
+
+
+def test_storage_of_another_row_shape_or_dtype_under_a_name_is_replaced() -> None:
+    # (what a save refused after allocating a key leaves behind, once the key is forgotten)
+    pool = HostPool(8)
+    pool.ensure(KeySpec("k", (2,), torch.float32, 0))
+    pool.write("k", np.array([1, 2]), torch.ones(2, 2))
+    pool.byte_rows("k")  # (the writer's byte view of the storage, made once)
+    for row_shape, dtype in [((3,), torch.float32), ((3,), torch.int64)]:
+        pool.ensure(KeySpec("k", row_shape, dtype, 0))
+        rows = torch.arange(6).reshape(2, 3).to(dtype)
+        pool.write("k", np.array([4, 5]), rows)  # (the native path, through a fresh byte view)
+        assert torch.equal(pool.read("k", torch.tensor([4, 5])), rows)
+        assert pool.nbytes() == {"k": 8 * 3 * dtype.itemsize}
 
 
 def test_a_refused_scatter_raises_a_typed_error_and_writes_nothing() -> None:

@@ -68,7 +68,11 @@ def test_step_ids_consumed_out_of_order_from_other_threads() -> None:
     assert len(ids) == 0
 
 
-def test_racing_copiers_exactly_one_wins() -> None:
+def test_copiers_on_two_python_threads_start_each_task_once() -> None:
+    # What two Python threads calling the same transitions see: each task started once, the
+    # other caller refused with TaskStateError, no entry left to pop. `start_copy` holds the GIL,
+    # so the calls never overlap in native code: the compare-and-swap race itself is tested in
+    # Rust (`racing_copiers_exactly_one_wins`, threads without a GIL) and by the loom models.
     tasks = WriteTasks()
     task_ids = [tasks.create() for _ in range(300)]
     for t in task_ids:
@@ -95,15 +99,20 @@ def test_racing_copiers_exactly_one_wins() -> None:
     assert tasks.pop() is None, "claimed tasks leave only stale entries behind"
 
 
+# Slots per claim: a claim this long runs with the GIL released (the binding's DETACH_AT), so
+# the threads' claims meet in the ledger's own mutex; shorter ones hold the GIL and never overlap.
+SPAN = 8192
+
+
 @pytest.mark.parametrize("num_threads", [2, 4])
 def test_ledger_claims_from_several_threads_stay_consistent(num_threads: int) -> None:
-    ledger = Ledger(4096)
+    ledger = Ledger(num_threads * SPAN)
     key = ledger.add_key()
 
     def writer(me: int) -> None:
         for round_ in range(50):
             task_id = me * 1000 + round_
-            ledger.claim(np.arange(me * 1024, (me + 1) * 1024, dtype=np.int64), key, task_id)
+            ledger.claim(np.arange(me * SPAN, (me + 1) * SPAN, dtype=np.int64), key, task_id)
             ledger.commit(task_id)
 
     threads = [threading.Thread(target=writer, args=(i,)) for i in range(num_threads)]
@@ -111,11 +120,11 @@ def test_ledger_claims_from_several_threads_stay_consistent(num_threads: int) ->
         t.start()
     for t in threads:
         t.join()
-    sources, versions = ledger.peek(np.arange(num_threads * 1024), key)
+    sources, versions = ledger.peek(np.arange(num_threads * SPAN), key)
     assert set(sources.tolist()) == {-1}
     # A version numbers the claim that wrote the row: each thread's range holds its last claim's
     # number, the threads' numbers differ, and the newest is the count of all claims (none lost).
-    last = [set(versions[i * 1024 : (i + 1) * 1024].tolist()) for i in range(num_threads)]
+    last = [set(versions[i * SPAN : (i + 1) * SPAN].tolist()) for i in range(num_threads)]
     assert all(len(v) == 1 for v in last)
     assert len(set.union(*last)) == num_threads
     assert max(versions.tolist()) == 50 * num_threads
