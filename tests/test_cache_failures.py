@@ -18,6 +18,7 @@ from omni_pcache import (
     StepBatch,
     StepEvents,
     WriteFailedError,
+    WriteTimeoutError,
 )
 
 
@@ -340,3 +341,47 @@ def test_a_committer_failure_while_begin_step_flushes_a_finished_requests_deferr
     with pytest.raises(WriteFailedError):
         cache.flush()
     cache.close()
+
+
+def test_a_write_not_in_the_pool_in_time_is_a_timeout_naming_each_stuck_task() -> None:
+    with small_cache(inline_write_bytes=0, claim_timeout_s=0.2) as cache:
+        gate = threading.Event()
+        write = cache._writer.write_batch
+        cache._writer.write_batch = lambda groups: (gate.wait(10), write(groups))
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        cache.materialize(cache.save(torch.ones(4, 2), {}, StepBatch(["a"], [4], np.arange(4))), ["a"])
+        with pytest.raises(WriteTimeoutError, match=r"write tasks not in the pool after 0\.1\d* s") as flushed:
+            cache.flush(0.1)
+        # b hits a's block while a's write is still held: its materialize waits claim_timeout_s
+        cache.begin_step(StepEvents(new=[NewRequest("b", [0, 2], 4)], finished=["a"]))
+        sid = cache.save(torch.zeros(1, 2), {}, StepBatch(["b"], [1], np.array([8])))
+        with pytest.raises(WriteTimeoutError) as served:
+            cache.materialize(sid, ["b"])
+        for err in (flushed.value, served.value):
+            assert len(err.states) == 1 and set(err.states.values()) <= {"QUEUED", "COPYING", "HOST_READY"}
+            assert str(next(iter(err.states))) in str(err)
+        gate.set()
+        cache.flush()  # (the held write lands; nothing failed)
+        assert cache.stats().tasks_live == 0
+
+
+def test_a_save_refused_while_it_holds_the_pool_writer_lets_it_go(monkeypatch) -> None:
+    # A small CPU step save writes itself takes the pool writer's lock first; a refusal after
+    # that must release it, or the committer (and every later write) waits for it forever.
+    from omni_pcache import cache as cache_module
+
+    own_copies = cache_module.own_copies
+
+    def refuse_once(*args):
+        monkeypatch.setattr(cache_module, "own_copies", own_copies)
+        raise RuntimeError("injected: no memory for the step's own copies")
+
+    monkeypatch.setattr(cache_module, "own_copies", refuse_once)
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        with pytest.raises(RuntimeError, match="injected"):
+            cache.save(torch.ones(4, 2), {}, StepBatch(["a"], [4], np.arange(4)))
+        # (were the lock still held, this step would be queued for a committer that never gets it)
+        cache.discard(cache.save(torch.ones(4, 2), {}, StepBatch(["a"], [4], np.arange(4))))
+        cache.flush(timeout_s=5)
+        assert cache.stats().tasks_live == 0

@@ -241,6 +241,8 @@ def test_a_late_read_keeps_its_preserved_rows_while_another_thread_consumes_the_
         cache.materialize(run_step(cache, [NewRequest("a", [0, 1])], reqs=[("a", [0, 1], 0, 8, 1)]), ["a"])
         hit_step = run_step(cache, [NewRequest("b", [0, 2], 4)], finished=["a"], reqs=[("b", [0, 2], 4, 3, 2)])
         reuse_step = run_step(cache, [NewRequest("c", [0, 3])], finished=["b"], reqs=[("c", [0, 3], 0, 5, 3)])
+        # (and a newer step still outstanding: the oldest step any read still needs is T's)
+        later = run_step(cache, [NewRequest("e", [5])], reqs=[("e", [5], 0, 2, 4)])
         serving, go = threading.Event(), threading.Event()
         serve = cache._reader.serve
 
@@ -258,6 +260,7 @@ def test_a_late_read_keeps_its_preserved_rows_while_another_thread_consumes_the_
         go.set()
         t.join()
         expect(result["out"], "b", [(1, 0, 4), (2, 4, 3)])
+        cache.discard(later)
         assert cache.stats().preserved_entries == 0, "dropped once the late read was done"
 
 

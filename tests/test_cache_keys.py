@@ -125,6 +125,7 @@ def test_a_refused_save_classifies_nothing_so_a_corrected_retry_is_cached(refusa
             cache.save(hidden, mm, batch)
         stats = cache.stats()
         assert (stats.pool_bytes, stats.steps_outstanding, stats.tasks_live) == ({}, [], 0)
+        assert (stats.staging_bytes, stats.bytes_written) == ({}, {}), "no staging or key left by the refusal"
         rows = {"hidden": encoded(0, 4, (2,), torch.float32, 1), "feat": encoded(0, 4, (2,), torch.float32, 2)}
         later = encoded(0, 4, (), torch.int32, 3)
         sid = cache.save(rows["hidden"], {"feat": rows["feat"], "later": later}, batch)
@@ -144,6 +145,7 @@ def test_a_refused_save_classifies_nothing_so_a_corrected_retry_is_cached(refusa
         assert torch.equal(out.mm["feat"]["b"], torch.cat([rows["feat"], b_feat]))
         assert torch.equal(out.mm["later"]["b"], torch.cat([later, b_later]))
         assert sorted(cache.stats().pool_bytes) == ["feat", "hidden", "later"]
+        assert cache._ledger.num_keys == 3, "the refused step's ledger key ids were reused, not leaked"
 
 
 @pytest.mark.parametrize(
@@ -352,3 +354,32 @@ def test_a_leftover_that_cannot_be_copied_fails_the_save_and_holds_nothing() -> 
         cache.begin_step(StepEvents(new=[NewRequest("ok", [5])]))
         sid = cache.save(torch.ones(4, 2), {}, StepBatch(["ok"], [4], slots_of([5], 0, 4, BS)))
         assert torch.equal(cache.materialize(sid, ["ok"]).hidden["ok"], torch.ones(4, 2))
+
+
+def test_a_step_without_tokens_classifies_nothing() -> None:
+    # A step with no scheduled tokens (every mm entry then looks like a leftover) must not
+    # remember its names as leftover: a later step's per-token "codes" is still cached.
+    with small_cache() as cache:
+        cache.begin_step(StepEvents())
+        empty = cache.save(
+            torch.zeros(0, 2), {"codes": torch.zeros(0, 2, dtype=torch.int64)}, StepBatch([], [], np.zeros(0, np.int64))
+        )
+        cache.discard(empty)
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        codes = torch.arange(8).reshape(4, 2)
+        cache.materialize(cache.save(torch.ones(4, 2), {"codes": codes}, StepBatch(["a"], [4], np.arange(4))), ["a"])
+        cache.begin_step(StepEvents(new=[NewRequest("b", [0, 1], 4)], finished=["a"]))
+        sid = cache.save(
+            torch.ones(1, 2), {"codes": torch.zeros(1, 2, dtype=torch.int64)}, StepBatch(["b"], [1], np.array([4]))
+        )
+        assert torch.equal(cache.materialize(sid, ["b"]).mm["codes"]["b"][:4], codes), "codes served from the pool"
+
+
+def test_a_numpy_leftover_is_snapshotted_at_save() -> None:
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        meta = np.arange(3)
+        sid = cache.save(torch.ones(4, 2), {"meta": meta}, StepBatch(["a"], [4], np.arange(4)))
+        meta[:] = 99  # the caller reuses its array once save returns
+        cache.begin_step(StepEvents())
+        assert np.array_equal(cache.materialize(sid, ["a"]).mm["meta"]["a"], np.arange(3))

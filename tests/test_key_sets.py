@@ -33,6 +33,8 @@ def test_a_hit_over_positions_whose_step_left_a_key_out_is_refused_for_that_key(
         sid = cache.save(rows(3, 4, 1), {"codes": rows(3, 4, 1)}, batch([("c", 1)], [slots_of([0, 1], 4, 1, BS)]))
         with pytest.raises(UnservableHitError, match=r"'c'.*4 rows of 'codes'.*did not give this key"):
             cache.materialize(sid, ["c"])
+        stats = cache.stats()  # (the refused step id is consumed: its page and hit reads let go)
+        assert all(("step", sid) not in holders for holders in stats.staging_holders) and stats.reads_pending == 0
         # Without codes in the step, c's hidden prefix is b's.
         cache.begin_step(StepEvents(new=[NewRequest("d", [0, 2], 4)], finished=["c"]))
         sid = cache.save(rows(4, 4, 1), {}, batch([("d", 1)], [slots_of([0, 2], 4, 1, BS)]))
@@ -111,3 +113,20 @@ def test_deferred_keys_that_change_between_a_requests_steps_are_each_served_wher
         cache.begin_step(StepEvents())  # (forgets the written tasks)
         stats = cache.stats()
         assert stats.device_bytes == 0 and stats.deferred_open == 0 and stats.tasks_live == 0
+
+
+def test_a_key_set_seen_before_a_new_key_still_leaves_that_key_out() -> None:
+    # z's step (hidden only) comes before codes is a key; a's brings codes; b's step is z's key
+    # set again: it must leave codes out of block 0 (its slots absent), not keep a's codes there.
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("z", [5])]))
+        cache.materialize(cache.save(rows(9, 0, 4), {}, batch([("z", 4)], [slots_of([5], 0, 4, BS)])), ["z"])
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])], finished=["z"]))
+        sid = cache.save(rows(1, 0, 4), {"codes": rows(1, 0, 4)}, batch([("a", 4)], [slots_of([0], 0, 4, BS)]))
+        cache.materialize(sid, ["a"])
+        cache.begin_step(StepEvents(new=[NewRequest("b", [0])], finished=["a"]))
+        cache.materialize(cache.save(rows(2, 0, 4), {}, batch([("b", 4)], [slots_of([0], 0, 4, BS)])), ["b"])
+        cache.begin_step(StepEvents(new=[NewRequest("c", [0, 1], 4)], finished=["b"]))
+        sid = cache.save(rows(3, 4, 1), {"codes": rows(3, 4, 1)}, batch([("c", 1)], [slots_of([0, 1], 4, 1, BS)]))
+        with pytest.raises(UnservableHitError, match=r"'c'.*4 rows of 'codes'.*did not give this key"):
+            cache.materialize(sid, ["c"])

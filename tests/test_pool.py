@@ -324,3 +324,23 @@ def test_log_lines_give_the_page_locked_size_of_pinned_memory() -> None:
     assert held_bytes(_HostTensor(4 << 20, pinned=True)) == "4.0 MiB (pinned)"
     assert held_bytes(_HostTensor(3 << 20, pinned=False)) == "3.0 MiB"
     assert held_bytes(torch.zeros(1 << 18)) == "1.0 MiB"
+
+
+def test_staging_pages_are_replaced_under_another_row_shape_or_dtype_and_freed_by_drop() -> None:
+    from omni_pcache.pages import StagingPages
+
+    pages = StagingPages(2, 4)
+    pages.ensure(KeySpec("k", (2,), torch.float32, 0))
+    pages.page_bytes("k", 1)  # (the writer's byte view of page 1, made once)
+    for row_shape, dtype in [((3,), torch.float32), ((3,), torch.int64)]:
+        pages.ensure(KeySpec("k", row_shape, dtype, 0))
+        page = pages.page("k", 1)
+        assert page.shape == (4, *row_shape) and page.dtype == dtype
+        page.copy_(torch.arange(12).reshape(4, 3).to(dtype))
+        view = pages.page_bytes("k", 1)  # (a view of the new storage, not the old one's)
+        assert view.shape == (4, 3 * dtype.itemsize) and view.tobytes() == page.numpy().tobytes()
+        assert pages.nbytes() == {"k": 2 * 4 * 3 * dtype.itemsize}
+    pages.drop("k")
+    assert pages.nbytes() == {}
+    with pytest.raises(KeyError):
+        pages.page("k", 0)
