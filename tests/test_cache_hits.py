@@ -395,3 +395,29 @@ def test_outputs_are_host_tensors_whatever_the_callers_default_device() -> None:
         expect(out, "b", [(1, 0, 4), (2, 4, 2)])
         expect(out, "c", [(3, 0, 3)])
         expect(out, "d", [(4, 0, 2)])
+
+
+def test_preserved_rows_go_once_their_late_read_is_served() -> None:
+    # (not when the step that reused the block is consumed: they count against max_preserved_rows)
+    with small_cache() as cache:
+        cache.materialize(run_step(cache, [NewRequest("a", [0])], reqs=[("a", [0], 0, 4, 1)]), ["a"])
+        late = run_step(cache, [NewRequest("c", [0, 1], 4)], finished=["a"], reqs=[("c", [0, 1], 4, 1, 3)])
+        reuse = run_step(cache, [NewRequest("b", [0])], finished=["c"], reqs=[("b", [0], 0, 4, 2)])
+        assert cache.stats().preserved_entries == 8  # (4 slots of hidden and codes)
+        expect(cache.materialize(late, ["c"]), "c", [(1, 0, 4), (3, 4, 1)])
+        assert cache.stats().preserved_entries == 0, "no read needs them, though `reuse` is outstanding"
+        expect(cache.materialize(reuse, ["b"]), "b", [(2, 0, 4)])
+
+
+@pytest.mark.parametrize("inline_write_bytes", [0, 1 << 20], ids=["queued", "written-in-save"])
+def test_a_late_read_gets_its_rows_after_the_block_was_reused_twice(inline_write_bytes) -> None:
+    with small_cache(inline_write_bytes=inline_write_bytes, staging_depth=4) as cache:
+        cache.materialize(run_step(cache, [NewRequest("a", [0])], reqs=[("a", [0], 0, 4, 1)]), ["a"])
+        cache.flush()
+        late = run_step(cache, [NewRequest("c", [0, 1], 4)], finished=["a"], reqs=[("c", [0, 1], 4, 1, 3)])
+        for tenant, writer, before in (("b", 2, "c"), ("d", 4, "b")):
+            sid = run_step(cache, [NewRequest(tenant, [0])], finished=[before], reqs=[(tenant, [0], 0, 4, writer)])
+            cache.materialize(sid, [tenant])
+            cache.flush()
+        expect(cache.materialize(late, ["c"]), "c", [(1, 0, 4), (3, 4, 1)])
+        assert cache.stats().preserved_entries == 0

@@ -355,3 +355,30 @@ def test_a_request_reacquiring_a_lost_block_writes_rows_that_win() -> None:
         cache.flush()
         step = save(cache, [("r", [0, 1], 4, 1, 4)], new=[NewRequest("r", [0, 1], 4)])
         check(cache.materialize(step, ["r"]), "r", (3, 0, 4), (4, 4, 1))
+
+
+def test_a_zero_row_request_in_a_deferred_step_holds_no_device_budget() -> None:
+    with small_cache(policy=DEFERRED) as cache:
+        step = save(cache, [("a", [0], 0, 4, 1), ("z", [1], 0, 0, 2)], new=[NewRequest("a", [0]), NewRequest("z", [1])])
+        check(cache.materialize(step, ["a", "z"]), "a", (1, 0, 4))
+        assert cache.stats().deferred_open == 1  # (a's: z has no rows)
+        cache.begin_step(StepEvents(finished=["a", "z"]))
+        cache.flush()
+        cache.begin_step(StepEvents())
+        stats = cache.stats()
+        assert (stats.device_bytes, stats.deferred_open) == (0, 0), "the clone let go once a's rows were written"
+
+
+def test_a_late_read_of_rows_a_finished_request_holds_on_the_device_survives_the_blocks_reuse() -> None:
+    # a's deferred codes are still only in its device clone (its write held back) when b reuses
+    # block 0: the rows c's pending read captured are kept aside from that clone.
+    with small_cache(policy=DEFERRED, inline_write_bytes=0, claim_timeout_s=2.0) as cache:
+        gate = threading.Event()
+        write = cache._writer.write_batch
+        cache._writer.write_batch = lambda groups: (gate.wait(10), write(groups))
+        cache.materialize(save(cache, [("a", [0], 0, 4, 1)], new=[NewRequest("a", [0])]), ["a"])
+        late = save(cache, [("c", [0, 1], 4, 1, 3)], new=[NewRequest("c", [0, 1], 4)], finished=["a"])
+        reuse = save(cache, [("b", [0], 0, 4, 2)], new=[NewRequest("b", [0])], finished=["c"])
+        gate.set()
+        check(cache.materialize(late, ["c"]), "c", (1, 0, 4), (3, 4, 1))
+        check(cache.materialize(reuse, ["b"]), "b", (2, 0, 4))

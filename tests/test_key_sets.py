@@ -130,3 +130,19 @@ def test_a_key_set_seen_before_a_new_key_still_leaves_that_key_out() -> None:
         sid = cache.save(rows(3, 4, 1), {"codes": rows(3, 4, 1)}, batch([("c", 1)], [slots_of([0, 1], 4, 1, BS)]))
         with pytest.raises(UnservableHitError, match=r"'c'.*4 rows of 'codes'.*did not give this key"):
             cache.materialize(sid, ["c"])
+
+
+def test_a_step_that_gives_no_cached_key_still_leaves_every_key_out() -> None:
+    # b's step caches nothing at all (no hidden states by policy, no codes): its slots must
+    # still lose a's codes, so c's hit over them is refused rather than served a's rows.
+    with small_cache(policy=CachePolicy(cache_hidden=False, token_keys=frozenset({"codes"}))) as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        cache.materialize(
+            cache.save(None, {"codes": rows(1, 0, 4)}, batch([("a", 4)], [slots_of([0], 0, 4, BS)])), ["a"]
+        )
+        cache.begin_step(StepEvents(new=[NewRequest("b", [0])], finished=["a"]))
+        cache.materialize(cache.save(None, {}, batch([("b", 4)], [slots_of([0], 0, 4, BS)])), ["b"])
+        cache.begin_step(StepEvents(new=[NewRequest("c", [0, 1], 4)], finished=["b"]))
+        sid = cache.save(None, {"codes": rows(3, 4, 1)}, batch([("c", 1)], [slots_of([0, 1], 4, 1, BS)]))
+        with pytest.raises(UnservableHitError, match=r"'c'.*4 rows of 'codes'.*did not give this key"):
+            cache.materialize(sid, ["c"])
