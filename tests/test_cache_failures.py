@@ -385,3 +385,25 @@ def test_a_save_refused_while_it_holds_the_pool_writer_lets_it_go(monkeypatch) -
         cache.discard(cache.save(torch.ones(4, 2), {}, StepBatch(["a"], [4], np.arange(4))))
         cache.flush(timeout_s=5)
         assert cache.stats().tasks_live == 0
+
+
+def test_a_write_failure_releases_the_hit_reads_of_outstanding_steps() -> None:
+    cache = small_cache(inline_write_bytes=0)
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+    cache.discard(cache.save(torch.ones(8, 2), {}, StepBatch(["a"], [8], np.arange(8))))
+    cache.flush()
+    gate = threading.Event()
+
+    def fail(*args, **kwargs):
+        gate.wait(5)
+        raise RuntimeError("injected")
+
+    cache._writer.write_batch = fail
+    cache.begin_step(StepEvents(new=[NewRequest("b", [0, 2], 4)]))
+    cache.save(torch.zeros(1, 2), {}, StepBatch(["b"], [1], np.array([8])))  # (never consumed: its read stays planned)
+    assert cache.stats().reads_pending == 1
+    gate.set()
+    with pytest.raises(WriteFailedError, match="injected"):
+        cache.flush()
+    assert cache.stats().reads_pending == 0
+    cache.close()

@@ -208,3 +208,22 @@ def test_padded_strided_and_complex_rows_are_saved_whole() -> None:
         out = cache.materialize(sid, ["h"])
         assert torch.equal(out.hidden["h"][:8], base[:8, 1::2]) and torch.equal(out.mm["waves"]["h"][:8], waves[:8])
         assert torch.equal(hit_rows(cache, [0, 1, 2], 8, 8), strided[:8])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.bool], ids=str)
+def test_small_steps_of_dtypes_numpy_has_no_name_for_are_handed_out_without_a_copy(monkeypatch, dtype) -> None:
+    # (bf16 rows are read natively as 16-bit ints, bools as bytes: still the step's own copies)
+    copied = counting_output_copies(monkeypatch)
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        h = (torch.arange(16).reshape(8, 2) % 3).to(dtype)
+        out = cache.materialize(cache.save(h, {}, StepBatch(["a"], [8], np.arange(8))), ["a"])
+        assert torch.equal(out.hidden["a"], h) and copied == []
+        assert torch.equal(hit_rows_of(cache, dtype), h[:4])
+
+
+def hit_rows_of(cache, dtype) -> torch.Tensor:
+    """A request hitting block 0 (rows 0-3 of "a"), then one row of its own: the hit rows."""
+    cache.begin_step(StepEvents(new=[NewRequest("hit", [0, 2], 4)]))
+    sid = cache.save(torch.zeros(1, 2, dtype=dtype), {}, StepBatch(["hit"], [1], np.array([8])))
+    return cache.materialize(sid, ["hit"]).hidden["hit"][:4]

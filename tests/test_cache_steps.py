@@ -382,6 +382,12 @@ def test_bad_config_raises_config_error() -> None:
         for value in ("no", None, 1):
             with pytest.raises(ConfigError, match=f"{name} must be a bool, got {value!r}"):
                 CacheConfig(num_blocks=1, block_size=16, **{name: value})
+    # a bool is not a size (True would mean 1), and a negative timeout is no timeout
+    for name in ("num_blocks", "staging_depth", "device_budget_bytes", "max_preserved_rows"):
+        with pytest.raises(ConfigError, match=f"{name} must be .*got True"):
+            CacheConfig(**{"num_blocks": 1, "block_size": 16, name: True})
+    with pytest.raises(ConfigError, match=r"claim_timeout_s must be in \[0, .*got -1"):
+        CacheConfig(num_blocks=1, block_size=16, claim_timeout_s=-1.0)
 
 
 def test_closed_cache_refuses_calls_and_close_is_idempotent() -> None:

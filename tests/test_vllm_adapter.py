@@ -663,3 +663,77 @@ def test_an_aborted_request_resubmitted_with_its_id_gets_its_full_sequence_again
     assert len(runner.received["X"]) == 2
     for hidden, codes in runner.received["X"]:
         assert torch.equal(hidden, want_hidden) and torch.equal(codes, want_codes)
+
+
+# ---- refusals and copies a mutation audit found untested ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        # (a vLLM without KVTransferConfig.is_kv_consumer: the role alone decides)
+        ({"kv_transfer_config": SimpleNamespace(kv_role="kv_both")}, "kv_role='kv_both'"),
+        ({"kv_cache_config": v.KVCacheConfig(1000, [], [])}, "0 KV-cache groups"),  # (was a raw IndexError)
+        ({"kernel_block_sizes": [32]}, "kernel block size 32 != KV block size 16"),
+        ({"cache_config": v.CacheConfig(block_size=16, prefix_match_unit=24)}, "prefix_match_unit=24"),
+    ],
+    ids=["kv-both-role", "no-kv-group", "larger-kernel-block", "unit-not-whole-blocks"],
+)
+def test_gate_refuses_what_it_cannot_mirror(changes, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        cache_config_from_vllm(**configs(**changes))
+
+
+def test_gate_accepts_matching_units_of_whole_blocks_and_refuses_a_capacity_that_is_not_an_int() -> None:
+    kv = v.KVCacheConfig(1000, [], [v.KVCacheGroupSpec(["l0"], v.FullAttentionSpec(block_size=16))], 16)
+    assert cache_config_from_vllm(**configs(kv_cache_config=kv)) is not None  # hash_block_size == block_size
+    assert cache_config_from_vllm(**configs(cache_config=v.CacheConfig(block_size=16, prefix_match_unit=32)))
+    with pytest.raises(ConfigError, match="staging_capacity_tokens='4096' must hold a whole step"):
+        cache_config_from_vllm(**configs(), staging_capacity_tokens="4096")
+
+
+@pytest.mark.parametrize("gone", [{"finished": {"a"}}, {"preempted_req_ids": {"a"}}], ids=["finished", "preempted"])
+def test_tracker_refuses_a_running_request_that_the_same_output_ends(gone) -> None:
+    t = BlockTracker()
+    t.update(so_of(new=[new_req("a", [1])], counts={"a": 4}))
+    with pytest.raises(InvalidInputError, match="to the tracker"):
+        t.update(so_of(cached=cached([("a", [2], 4)]), counts={"a": 1}, **gone))
+    assert t.blocks("a") == [1]
+
+
+def test_tracker_keeps_block_lists_of_its_own() -> None:
+    # (vLLM's V1 runner extends the very lists a SchedulerOutput carries, in its request state)
+    t = BlockTracker()
+    req = new_req("a", [1, 2])
+    t.update(so_of(new=[req], counts={"a": 8}))
+    req.block_ids[0].append(99)
+    assert t.blocks("a") == [1, 2]
+    t.update(so_of(preempted_req_ids={"a"}))
+    resumed = cached([("a", [5, 6], 4)], resumed={"a"})
+    t.update(so_of(cached=resumed, counts={"a": 1}))
+    resumed.new_block_ids[0][0].append(77)
+    assert t.blocks("a") == [5, 6]
+
+
+def test_step_batch_refuses_a_request_named_twice() -> None:
+    t = BlockTracker()
+    so = so_of(new=[new_req("a", [3, 4])], counts={"a": 2})
+    t.update(so)
+    with pytest.raises(InvalidInputError, match=r"req_ids has duplicates: \['a', 'a'\]"):
+        step_batch(so, t, ["a", "a"], 4)
+
+
+def test_a_re_init_without_prefix_caching_closes_and_drops_the_cache() -> None:
+    runner = Runner("scheduler", "inline")
+    assert runner.pcache_init(**stage_configs(T), is_last_pipeline_stage=True, tensor_parallel_rank=0)
+    runner.pcache_begin_step(scheduler_output(T, RECORDED[0]))
+    cache = runner.pcache
+    off = stage_configs(T) | {"cache_config": v.CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False)}
+    assert not runner.pcache_init(**off, is_last_pipeline_stage=True, tensor_parallel_rank=0)
+    assert runner.pcache is None and runner.pcache_stats() is None
+    with pytest.raises(CacheClosedError):
+        cache.begin_step(StepEvents())
+    so = scheduler_output(T, RECORDED[0])
+    runner.pcache_begin_step(so)
+    assert runner.pcache_save(torch.zeros(18, 4), {}, so, ["A", "E"]) is None
+    runner.pcache_shutdown()
