@@ -14,6 +14,9 @@ from omni_pcache._native import (
     Ledger,
     StagingSlots,
     WriteTasks,
+    block_slots,
+    block_table,
+    check_batch,
     claim_step,
     close_step_writes,
     scatter_rows,
@@ -344,3 +347,64 @@ def test_staging_pages_are_replaced_under_another_row_shape_or_dtype_and_freed_b
     assert pages.nbytes() == {}
     with pytest.raises(KeyError):
         pages.page("k", 0)
+
+
+# ---- binding checks a mutation audit of crates/pcache-py found untested ---------------------------
+
+
+def copying_step(slots: list[int], num_keys: int = 1):
+    """A ledger with ``num_keys`` keys and one task claiming ``slots`` on key 0, popped (COPYING)."""
+    tasks, ledger, staging = WriteTasks(), Ledger(16), StagingSlots(2)
+    keys = [ledger.add_key() for _ in range(num_keys)]
+    page = staging.claim(("step", 0))
+    ids, _ = claim_step(tasks, ledger, staging, page, np.array(slots, dtype=np.int64), [len(slots)], keys[:1])
+    tasks.enqueue_many(ids)
+    tasks.pop_many(8)
+    return tasks, ledger, staging, page, keys, ids
+
+
+def test_check_batch_leaves_zero_count_requests_out_of_the_claims() -> None:
+    _, _, rows, req_ids, starts, counts = check_batch(["a", "b", "c"], [2, 0, 1], np.arange(3), 8, 16)
+    assert rows == {"a": (0, 2), "b": (2, 0), "c": (2, 1)}
+    assert (req_ids, starts, counts) == (["a", "c"], [0, 2], [2, 1])
+
+
+def test_a_claim_naming_the_next_unregistered_key_is_refused_before_any_key_moves() -> None:
+    tasks, ledger, staging, page, keys, ids = copying_step([4, 5, 6], num_keys=2)
+    slots = np.array([4, 5, 6], dtype=np.int64)
+    write_step_rows(tasks, ledger, ids, [0], [(keys[0], np.ones((3, 4), np.uint8), np.zeros((16, 4), np.uint8))])
+    close_step_writes(tasks, ledger, staging, page, ids)
+    tasks.reap_completions()
+    before = ledger.peek(slots, keys[0])
+    live, holders = len(tasks), staging.holders()
+    with pytest.raises(InvalidInputError, match=r"unknown key#2 \(registered keys: 2\)"):
+        claim_step(tasks, ledger, staging, page, slots, [3], [keys[0], 2])  # (key ids 0 and 1 exist)
+    after = ledger.peek(slots, keys[0])
+    assert after[0].tolist() == [SOURCE_POOL] * 3
+    assert all(np.array_equal(b, a) for b, a in zip(before, after, strict=True))
+    assert len(tasks) == live and staging.holders() == holders
+
+
+@pytest.mark.parametrize(
+    "make_pool",
+    [lambda: np.asfortranarray(np.zeros((16, 4), np.uint8)), lambda: np.zeros((32, 4), np.uint8)[::2]],
+    ids=["fortran", "strided"],
+)
+def test_step_rows_into_a_pool_that_is_not_c_contiguous_are_refused_before_any_transition(make_pool) -> None:
+    tasks, ledger, _, _, keys, ids = copying_step([3, 4, 9])
+    pool = make_pool()
+    with pytest.raises(InvalidInputError, match="the pool must be C-contiguous"):
+        write_step_rows(tasks, ledger, ids, [0], [(keys[0], np.arange(12, dtype=np.uint8).reshape(3, 4), pool)])
+    assert [tasks.state(t) for t in ids] == ["COPYING"] and not pool.any()
+
+
+def test_a_page_without_dimensions_is_a_typed_error_not_a_panic() -> None:
+    tasks, ledger, _, _, keys, ids = copying_step([3])
+    with pytest.raises(InvalidInputError, match="at least one dimension"):
+        write_step_rows(tasks, ledger, ids, [0], [(keys[0], np.array(7, np.uint8), np.zeros((16, 1), np.uint8))])
+    assert tasks.state(ids[0]) == "COPYING"
+
+
+def test_int_arguments_accept_their_largest_value() -> None:
+    assert block_table([0, 5], 2**32 - 1).tolist() == [0, 5]
+    assert block_slots(np.array([1], np.int64), 0, 2, 2**32 - 1).tolist() == [2**32 - 1, 2**32]
