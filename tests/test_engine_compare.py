@@ -1,0 +1,127 @@
+"""The differential harness can fail: each check `engine.compare` and the engine's leftover
+verification make, shown to catch the wrong run it exists for (the cache's own bugs are the
+differential's business; these keep its checks from weakening unnoticed)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from omni_pcache.engine import Engine, EngineConfig, make_workload
+from omni_pcache.engine.compare import compare
+from omni_pcache.engine.model import ForwardBatch, PrefixHashModel
+from omni_pcache.engine.request import Status
+
+CONFIG = EngineConfig(num_blocks=512, model="prefix-hash", seed=3)
+ABORTING = EngineConfig(num_blocks=64, model="prefix-hash", seed=0)
+
+
+def runs(config: EngineConfig = CONFIG, workload: str = "chat", num_requests: int = 30, abort_rate: float = 0.0):
+    """A cached run and its reference (prefix caching off, every request to the end)."""
+    seed = config.seed
+    cached = Engine(config).run(make_workload(workload, num_requests, seed, abort_rate=abort_rate))
+    reference = Engine(replace(config, enable_prefix_caching=False)).run(make_workload(workload, num_requests, seed))
+    assert compare(cached, reference, 0.0).ok
+    return cached, reference
+
+
+def test_one_value_off_in_any_key_row_or_column_fails_the_run() -> None:
+    for key, step, row, column in (("proj", 0, 0, 0), ("proj", -1, -1, -1), ("hidden", -1, -1, -1)):
+        cached, reference = runs()
+        out = next(o for o in cached.outputs.values() if getattr(o, key)[step].shape[0] > 0)
+        pieces = getattr(out, key)
+        pieces[step] = pieces[step].clone()
+        pieces[step][row, column] += 1
+        assert not compare(cached, reference, 0.0).ok, (key, step, row, column)
+
+
+def test_the_tolerance_is_atol_itself() -> None:
+    cached, reference = runs()
+    out = next(o for o in cached.outputs.values() if o.hidden[0].shape[0] > 0)
+    out.hidden[0] = out.hidden[0] + 1e-4
+    assert compare(cached, reference, 1e-3).ok and not compare(cached, reference, 1e-5).ok
+
+
+def test_missing_short_and_extra_rows_fail_the_run() -> None:
+    cached, reference = runs()
+    del cached.outputs[next(r for r, q in cached.requests.items() if q.status is Status.FINISHED)]
+    assert not compare(cached, reference, 0.0).ok
+    cached, reference = runs()
+    out = next(iter(cached.outputs.values()))
+    out.hidden.append(out.hidden[-1][-1:])
+    out.proj.append(out.proj[-1][-1:])
+    assert not compare(cached, reference, 0.0).ok
+    # An aborted request: one row short, or one correct row past what its saved steps covered.
+    cached, reference = runs(ABORTING, "mixed", 60, 0.3)
+    aborted = [
+        r
+        for r, q in cached.requests.items()
+        if q.status is Status.ABORTED and 1 < q.saved_upto < reference.outputs[r].hidden[0].shape[0]
+    ]
+    assert len(aborted) >= 2
+    short, extra = cached.outputs[aborted[0]], cached.outputs[aborted[-1]]
+    short.hidden[-1], short.proj[-1] = short.hidden[-1][:-1], short.proj[-1][:-1]
+    upto = cached.requests[aborted[-1]].saved_upto
+    want_hidden, want_proj = reference.outputs[aborted[-1]].rows()
+    extra.hidden.append(want_hidden[upto : upto + 1])
+    extra.proj.append(want_proj[upto : upto + 1])
+    mismatches = compare(cached, reference, 0.0).mismatches
+    assert {m.split(":")[0] for m in mismatches} == {aborted[0], aborted[-1]}, mismatches
+
+
+def test_a_cached_run_cut_short_fails_against_the_whole_reference() -> None:
+    cached = Engine(replace(CONFIG, max_steps=3)).run(make_workload("chat", 30, CONFIG.seed))
+    reference = Engine(replace(CONFIG, enable_prefix_caching=False)).run(make_workload("chat", 30, CONFIG.seed))
+    assert any("neither finished nor aborted" in m for m in compare(cached, reference, 0.0).mismatches)
+
+
+def test_rows_checked_counts_every_row_of_every_request() -> None:
+    cached, reference = runs(ABORTING, "mixed", 60, 0.3)
+    result = compare(cached, reference, 0.0)
+    want = sum(q.full_sequence_len() if q.status is Status.FINISHED else q.saved_upto for q in cached.requests.values())
+    assert result.rows_checked == want > 0
+
+
+@pytest.mark.parametrize(
+    "alter",
+    [
+        lambda info: {**info, "rows_per_request": info["rows_per_request"] + 1},  # a tensor entry
+        lambda info: {**info, "num_requests": info["num_requests"] + 1},  # a plain value
+        lambda info: {k: v for k, v in info.items() if k != "num_requests"},  # an entry missing
+    ],
+    ids=["tensor", "value", "missing"],
+)
+def test_a_leftover_unequal_to_the_models_is_counted_and_fails_the_run(alter) -> None:
+    engine = Engine(CONFIG)
+    materialize = engine.cache.materialize
+
+    def altered(step_id, req_ids):
+        out = materialize(step_id, req_ids)
+        for req_id in req_ids:
+            out.mm["step_info"][req_id] = alter(out.mm["step_info"][req_id])
+        return out
+
+    engine.cache.materialize = altered
+    cached = engine.run(make_workload("chat", 30, CONFIG.seed))
+    reference = Engine(replace(CONFIG, enable_prefix_caching=False)).run(make_workload("chat", 30, CONFIG.seed))
+    assert all(o.leftover_wrong == o.leftover_seen > 0 for o in cached.outputs.values())
+    assert not compare(cached, reference, 0.0).ok
+
+
+def test_every_prefix_hash_row_depends_on_the_whole_prefix() -> None:
+    # (what makes a row served from another request's prefix show: both runs use this model)
+    def forward(tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(tokens)
+        batch = ForwardBatch(
+            torch.tensor(tokens), torch.arange(n), np.arange(n, dtype=np.int64), [(0, n, [0, 1, 2, 3], n)]
+        )
+        out = PrefixHashModel(64, 16).forward(batch)
+        return out.hidden, out.mm["proj"]
+
+    tokens = list(range(5, 45))
+    hidden, proj = forward(tokens)
+    other_hidden, other_proj = forward([6, *tokens[1:]])  # only token 0 differs
+    assert ((hidden != other_hidden).any(1) & (proj != other_proj).any(1)).all()
