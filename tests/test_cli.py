@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
+from omni_pcache import cli
 from omni_pcache.cli import main
+from omni_pcache.engine.engine import EngineCapacityError
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -117,3 +119,37 @@ def test_demo_table_lists_the_mismatches_of_a_failing_run(monkeypatch, capsys) -
     assert "mismatch r1: row 3 differs" in out and "mismatch r2: 2 leftovers unequal" in out
     assert "FAIL: full-sequence outputs differ from the reference" in out
     assert "(0 aborted)" in out  # (--abort-rate 0 reached the workload)
+
+
+def exit_code(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exc:  # (argparse's own refusals)
+        return int(exc.code)
+
+
+@pytest.mark.parametrize(
+    ("argv", "code"),
+    [
+        (["demo", "--seed", str(2**63)], 2),
+        (["demo", "--seed", str(2**63 - 1)], 0),
+        (["demo", "--abort-rate", "1"], 0),
+        (["demo", "--num-blocks", "255", "--block-size", "1"], 2),
+        (["demo", "--num-blocks", "256", "--block-size", "1"], 0),
+        (["demo", "--num-blocks", str(1 << 16), "--block-size", "16"], 0),  # (2**20 slots: the most)
+        (["demo", "--num-blocks", str((1 << 16) + 1), "--block-size", "16"], 2),
+    ],
+)
+def test_options_on_their_bounds_are_taken_and_just_past_them_refused(monkeypatch, argv, code) -> None:
+    monkeypatch.setattr(cli, "run_demo", lambda args: 0)  # (the checks only)
+    assert exit_code(argv) == code
+
+
+@pytest.mark.parametrize(("error", "code"), [(EngineCapacityError("too big"), 2), (KeyboardInterrupt(), 130)])
+def test_a_run_the_engine_cannot_hold_is_a_usage_error_and_an_interrupt_is_130(monkeypatch, capsys, error, code):
+    def run(args):
+        raise error
+
+    monkeypatch.setattr(cli, "run_demo", run)
+    assert main(["demo"]) == code  # (not 1: FAIL means the rows were wrong)
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1

@@ -3,10 +3,14 @@ from its host copy after, and its clones let go once written."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import torch
 
 from omni_pcache.deferred import Clone, DeferredRecord, DeviceBudget
+from omni_pcache.errors import CacheClosedError
 from omni_pcache.keys import KeySpec
 
 CODES = KeySpec("codes", (3,), torch.int64, 0)
@@ -59,3 +63,31 @@ def test_a_release_before_the_host_copy_keeps_the_clones_readable() -> None:
     assert [clone.holders for clone in clones] == [1, 1, 1]
     assert budget.used == 3 * 10 * CODES.row_bytes
     assert torch.equal(record.rows(CODES, torch.tensor([2, 7])), expected[[2, 7]])
+
+
+def test_a_budget_wait_times_out_at_its_deadline() -> None:
+    budget = DeviceBudget(10)
+    budget.charge(10)
+    start = time.monotonic()
+    assert budget.wait_for_room(1, start + 0.05) is False
+    assert time.monotonic() - start < 0.5
+
+
+def test_closing_the_budget_wakes_a_waiter_at_once() -> None:
+    budget = DeviceBudget(10)
+    budget.charge(10)
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            budget.wait_for_room(1, time.monotonic() + 10)
+        except CacheClosedError as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.1)  # (waiting for room)
+    assert waiter.is_alive()
+    budget.close()
+    waiter.join(2)
+    assert not waiter.is_alive() and len(errors) == 1

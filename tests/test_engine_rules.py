@@ -241,3 +241,74 @@ def test_an_abort_after_the_request_finished_changes_nothing() -> None:
     sched.abort(a)
     assert a.status is Status.FINISHED and kv.pool.num_free == free
     assert sched.schedule(step + 1).finished == []
+
+
+# ---- vLLM rules a mutation audit found untested ---------------------------------------------------
+
+
+def test_a_hit_takes_the_first_block_still_holding_the_hash() -> None:
+    kv = KVCacheManager(8, BS, enable_prefix_caching=True)
+    a, b = req("a", range(1, 9)), req("b", range(1, 9))
+    assert kv.allocate(a, 8, kv.match_prefix(a))
+    assert kv.allocate(b, 4, kv.match_prefix(b))  # b computes its own copy of the second block
+    assert kv.match_prefix(req("c", [*range(1, 9), 50])) == a.blocks[:2]
+
+
+def test_the_prefix_match_stops_at_the_first_block_not_cached() -> None:
+    kv = KVCacheManager(8, BS, enable_prefix_caching=True)
+    a = req("a", range(12))
+    assert kv.allocate(a, 12)
+    blocks = list(a.blocks)
+    kv.free(a)
+    kv.pool.touch([blocks[1]])  # block 1 stays cached; block 0 gets a new tenant
+    kv.pool.allocate(kv.pool.num_free)
+    assert kv.pool.cached_block(a.hashes[0]) is None and kv.pool.cached_block(a.hashes[1]) == blocks[1]
+    assert kv.match_prefix(req("b", range(13))) == []
+
+
+def test_no_request_is_scheduled_for_zero_tokens_or_past_the_budget() -> None:
+    sched = Scheduler(KVCacheManager(64, BS, True), max_num_batched_tokens=8, max_num_running=8)
+    for i in range(3):
+        sched.add(req(f"r{i}", range(100 * i, 100 * i + 8), outputs=(1,) * 3))
+    for step in range(30):
+        s = sched.schedule(step)
+        assert all(n > 0 for _, n in s.scheduled) and s.num_tokens <= 8, (step, s.scheduled)
+        sched.update(s)
+    sched = Scheduler(KVCacheManager(64, BS, True), max_num_batched_tokens=12, max_num_running=8, long_prefill_tokens=4)
+    for i in range(3):
+        sched.add(req(f"r{i}", range(100 * i, 100 * i + 20)))
+    sched.update(sched.schedule(0))  # all three running, 4 tokens each
+    sched.budget = 8  # (the first two running requests use it all)
+    assert [(r.req_id, n) for r, n in sched.schedule(1).scheduled] == [("r0", 4), ("r1", 4)]
+
+
+def test_long_prefill_caps_every_chunk_of_a_prompt() -> None:
+    sched = Scheduler(KVCacheManager(32, BS, True), max_num_batched_tokens=16, max_num_running=8, long_prefill_tokens=6)
+    sched.add(req("a", range(14)))
+    counts = []
+    for step in range(3):
+        s = sched.schedule(step)
+        counts.append([n for _, n in s.scheduled])
+        sched.update(s)
+    assert counts == [[6], [6], [2]]
+
+
+def test_at_most_max_num_running_requests_run() -> None:
+    sched = Scheduler(KVCacheManager(64, BS, True), max_num_batched_tokens=64, max_num_running=2)
+    for i in range(3):
+        sched.add(req(f"r{i}", range(100 * i, 100 * i + 5)))
+    assert [r for r, _, _ in sched.schedule(0).new] == ["r0", "r1"] and len(sched.running) == 2
+
+
+def test_a_preempted_request_goes_back_to_the_front_of_the_queue() -> None:
+    sched = Scheduler(KVCacheManager(6, BS, True), max_num_batched_tokens=64, max_num_running=8)
+    a, b, c = (req(n, range(k, k + 11), outputs=(1,) * 8) for n, k in (("a", 0), ("b", 100), ("c", 200)))
+    for r in (a, b, c):
+        sched.add(r)
+    for step in range(40):
+        s = sched.schedule(step)
+        if s.preempted:
+            assert list(sched.waiting) == [b, c]
+            return
+        sched.update(s)
+    raise AssertionError("nothing was preempted")
