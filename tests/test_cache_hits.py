@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -421,3 +422,33 @@ def test_a_late_read_gets_its_rows_after_the_block_was_reused_twice(inline_write
             cache.flush()
         expect(cache.materialize(late, ["c"]), "c", [(1, 0, 4), (3, 4, 1)])
         assert cache.stats().preserved_entries == 0
+
+
+def test_a_late_read_waits_for_rows_being_kept_aside_and_is_woken_when_they_are() -> None:
+    # b's save (on its engine thread) has registered the copy of a's rows that c's pending read
+    # needs, but not filled it yet; c's materialize on another thread waits for it, and the
+    # fill wakes it (not its timeout: claim_timeout_s is 5 s here).
+    with small_cache() as cache:
+        cache.materialize(run_step(cache, [NewRequest("a", [0])], reqs=[("a", [0], 0, 4, 1)]), ["a"])
+        late = run_step(cache, [NewRequest("c", [0, 1], 4)], finished=["a"], reqs=[("c", [0, 1], 4, 1, 3)])
+        entered, go = threading.Event(), threading.Event()
+        keep_aside = cache._claims.keep_aside
+
+        def paused(*args):
+            entered.set()
+            assert go.wait(10), "test gate never opened"
+            keep_aside(*args)
+
+        cache._claims.keep_aside = paused
+        saved = {}
+        engine = threading.Thread(
+            target=lambda: saved.update(sid=run_step(cache, [NewRequest("b", [0])], reqs=[("b", [0], 0, 4, 2)]))
+        )
+        engine.start()
+        assert entered.wait(10)
+        threading.Timer(0.2, go.set).start()
+        start = time.monotonic()
+        expect(cache.materialize(late, ["c"]), "c", [(1, 0, 4), (3, 4, 1)])
+        assert 0.15 < time.monotonic() - start < 3, "waited for the fill, and was woken by it"
+        engine.join(10)
+        cache.discard(saved["sid"])
