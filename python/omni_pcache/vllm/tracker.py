@@ -106,9 +106,9 @@ class BlockTracker:
                 )
         blocks_of = self._blocks
         # What each changed request had before, oldest first: (req_id, its entry or _ABSENT) for
-        # an entry replaced or removed; (req_id, former length) for a list extended in place.
+        # an entry replaced or removed; (the list, its former length) for a list extended in place.
         replaced: list[tuple[str, Any]] = []
-        extended: list[tuple[str, int]] = []
+        extended: list[tuple[list[int], int]] = []
         for req_id in finished:
             if req_id in blocks_of:
                 replaced.append((req_id, blocks_of.pop(req_id)))
@@ -124,15 +124,15 @@ class BlockTracker:
                 replaced.append((req_id, blocks_of.get(req_id, _ABSENT)))
                 blocks_of[req_id] = [] if new_ids is None else list(new_ids[0])
             elif new_ids is not None and new_ids[0]:
-                listed = blocks_of[req_id]
-                extended.append((req_id, len(listed)))  # type: ignore[arg-type]
-                listed.extend(new_ids[0])  # type: ignore[union-attr]
+                listed: list[int] = blocks_of[req_id]  # type: ignore[assignment]
+                extended.append((listed, len(listed)))
+                listed.extend(new_ids[0])
 
         def undo() -> None:
-            # (each change restores what it found: lists cut back to their former lengths, then
+            # (each change restores what it found: the extended lists themselves cut back, then
             # entries put back newest first, so an entry changed twice ends as it began)
-            for req_id, length in extended:
-                del blocks_of[req_id][length:]  # type: ignore[index]
+            for listed, length in extended:
+                del listed[length:]
             for req_id, before in reversed(replaced):
                 if before is _ABSENT:
                     blocks_of.pop(req_id, None)
