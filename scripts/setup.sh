@@ -26,8 +26,14 @@ stamp="$venv/.requirements.sha256"
 want=$({ cat requirements-dev.txt; "$venv/bin/python" -c 'import sys; print(sys.version)'; } | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
     echo "setup: installing requirements-dev.txt into $venv (torch is large; first run only)"
-    "$venv/bin/python" -m pip install --quiet --upgrade pip
-    "$venv/bin/python" -m pip install --quiet -r requirements-dev.txt
+    # torch's CUDA wheels take about 6 GiB installed; say so up front when the disk is short,
+    # since pip's own report of it ("[Errno 28] No space left on device") names no cause.
+    free_kib=$(df -Pk "$venv" | awk 'NR == 2 { print $4 }')
+    if [ -n "$free_kib" ] && [ "$free_kib" -lt $((7 * 1024 * 1024)) ]; then
+        echo "setup: warning: only $((free_kib / 1024)) MiB free under $venv; torch needs about 6 GiB there" >&2
+    fi
+    "$venv/bin/python" -m pip install --quiet --no-cache-dir --upgrade pip
+    "$venv/bin/python" -m pip install --quiet --no-cache-dir -r requirements-dev.txt
     echo "$want" > "$stamp"
 else
     echo "setup: $venv is up to date"
