@@ -9,7 +9,12 @@ With ``RESUME``, running requests are also preempted (their blocks freed, to be 
 others) and resumed with a new block table: a whole-block hit on their own blocks that are
 still fully written and not reused, on any other fully written blocks, or none (recompute).
 With ``DEFERRED``, a second mm key is deferred (kept on the device until its request finishes
-or a tight device budget forces a flush).
+or a tight device budget forces a flush). Some steps leave the cached mm key "who" out: its
+rows at their slots are then never written, so a later hit over them must raise
+`UnservableHitError` (never the slots' previous rows), while a read that captured those rows
+before still gets them. Every step also passes a per-row leftover "extra" (not cached), which
+each request gets its own rows of, the ones it returns. With ``THREADED``, two outstanding
+steps are also materialized at once, on two threads.
 
 What a request's consumer gets is modelled as the contract says: across all its steps, its
 whole sequence exactly once. ``delivered`` is the end of what its saves returned (a discarded
@@ -28,22 +33,34 @@ deferred record, no device bytes, no live request and no pending hit read.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
 import hypothesis.strategies as st
 import numpy as np
+import pytest
 import torch
+from hypothesis import event
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from omni_pcache import CacheConfig, CachePolicy, NewRequest, PrefixCache, ResumedRequest, StepBatch, StepEvents
+from omni_pcache import (
+    CacheConfig,
+    CachePolicy,
+    NewRequest,
+    PrefixCache,
+    ResumedRequest,
+    StepBatch,
+    StepEvents,
+    UnservableHitError,
+)
 from rowcodec import Stamp, describe, row_diff, stamps
 
 BLOCK_SIZE = 2
 NUM_BLOCKS = 6
 STAGING_DEPTH = 4
 MAX_FRESH_BLOCKS = 3
-HIDDEN_KEY, WHO_KEY, CODES_KEY = 0, 1, 2
+HIDDEN_KEY, WHO_KEY, CODES_KEY, EXTRA_KEY = 0, 1, 2, 3
 # Deferred rows are stamps of int64: the largest step (every slot once) fills the budget alone.
 DEVICE_BUDGET_BYTES = NUM_BLOCKS * BLOCK_SIZE * 4 * 8
 
@@ -73,6 +90,10 @@ class SavedStep:
     req_ids: list[str]
     expected: dict[str, list[tuple[int, int, int]]]  # req -> (slot, writer, step) per row
     num_read_rows: dict[str, int]  # leading rows read from the pool
+    keys: dict[str, int]  # the cached mm keys the step gave (name -> stamp key)
+    # Per request, its pool rows of "who" that no step wrote (a step since left "who" out at
+    # their slots): materializing it must raise UnservableHitError.
+    absent_who: dict[str, list[int]]
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -100,6 +121,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache = PrefixCache(config, policy)
         self.keys = {"who": WHO_KEY, **({"codes": CODES_KEY} if self.DEFERRED else {})}
         self.m_rows: dict[int, tuple[int, int]] = {}  # slot -> (writer, step) of its latest write
+        self.m_who_absent: set[int] = set()  # slots whose latest write left "who" out
         self.m_filled: list[set[int]] = [set() for _ in range(NUM_BLOCKS)]  # offsets since allocation
         self.m_gen = [0] * NUM_BLOCKS  # allocations to a new tenant so far
         self.m_refs = [0] * NUM_BLOCKS
@@ -114,6 +136,9 @@ class CacheMachine(RuleBasedStateMachine):
         self.next_writer = 0
 
     # ---- model helpers -------------------------------------------------------------------------
+
+    def _who_absent_in(self, block: int) -> bool:
+        return any(block * BLOCK_SIZE + i in self.m_who_absent for i in range(BLOCK_SIZE))
 
     def _full_blocks(self) -> list[int]:
         return [b for b in range(NUM_BLOCKS) if len(self.m_filled[b]) == BLOCK_SIZE]
@@ -167,8 +192,9 @@ class CacheMachine(RuleBasedStateMachine):
             self.m_resumed.remove(req_id)
         self.m_finished.append(req_id)
 
-    def _save(self, order: list[tuple[Req, int]], pad: int) -> int:
-        """begin_step + save of one step scheduling ``count`` tokens of each request."""
+    def _save(self, order: list[tuple[Req, int]], pad: int, omit_who: bool = False) -> int:
+        """begin_step + save of one step scheduling ``count`` tokens of each request (without
+        the mm key "who" when ``omit_who``)."""
         step = self.step
         self.step += 1
         new = [NewRequest(r, list(self.m_live[r].block_ids), self.m_live[r].num_hit_tokens) for r in self.m_new]
@@ -185,8 +211,13 @@ class CacheMachine(RuleBasedStateMachine):
                 rows.append((slot, req.writer, step))
                 self.m_rows[slot] = (req.writer, step)
                 self.m_filled[slot // BLOCK_SIZE].add(slot % BLOCK_SIZE)
+        if omit_who:
+            self.m_who_absent.update(slots)
+        else:
+            self.m_who_absent.difference_update(slots)
+        given = {name: key for name, key in self.keys.items() if not (omit_who and name == "who")}
         # Reads are planned after the step's claims: the expected rows are the model's now.
-        expected, num_read_rows = {}, {}
+        expected, num_read_rows, absent_who = {}, {}, {}
         for req, count in order:
             start, end = req.num_done, req.num_done + count
             positions: list[int] = []
@@ -195,6 +226,8 @@ class CacheMachine(RuleBasedStateMachine):
                 req.delivered = max(req.delivered, start)
                 req.read_from = None
             num_read_rows[req.req_id] = len(positions)
+            if "who" in given:
+                absent_who[req.req_id] = [req.slot(p) for p in positions if req.slot(p) in self.m_who_absent]
             positions += range(max(start, req.delivered), end)  # recomputed rows are not returned twice
             expected[req.req_id] = [(req.slot(p), *self.m_rows[req.slot(p)]) for p in positions]
             req.delivered = max(req.delivered, end)
@@ -205,13 +238,16 @@ class CacheMachine(RuleBasedStateMachine):
         def stamped(key: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.cat([stamps([Stamp(key, *r) for r in rows], dtype), torch.full((pad, 4), -1, dtype=dtype)])
 
-        mm = {name: stamped(key, torch.int64) for name, key in self.keys.items()}
+        mm = {name: stamped(key, torch.int64) for name, key in given.items()}
+        mm["extra"] = stamped(EXTRA_KEY, torch.int64)  # a per-row leftover: sliced per request, not cached
         mapping = np.array(slots + [-1] * pad, dtype=np.int64)
         batch = StepBatch([r.req_id for r, _ in order], [c for _, c in order], mapping, n + pad if pad else None)
         self.cache.begin_step(events)
         step_id = self.cache.save(stamped(HIDDEN_KEY, torch.float64), {**mm, "note": f"step {step}"}, batch)
         assert step_id not in self.m_outstanding
-        self.m_outstanding[step_id] = SavedStep(step, [r.req_id for r, _ in order], expected, num_read_rows)
+        self.m_outstanding[step_id] = SavedStep(
+            step, [r.req_id for r, _ in order], expected, num_read_rows, given, absent_who
+        )
         self.m_new.clear()
         self.m_resumed.clear()
         self.m_finished.clear()
@@ -226,19 +262,47 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _check(self, step_id: int, req_ids: list[str]) -> None:
         saved = self.m_outstanding.pop(step_id)
-        out = self.cache.materialize(step_id, req_ids)
+        self._verify(saved, step_id, req_ids, lambda: self.cache.materialize(step_id, req_ids))
+        self._count(saved, req_ids)
+
+    @staticmethod
+    def _count(saved: SavedStep, req_ids: list[str]) -> None:
+        """Records what a checked materialize covered (`--hypothesis-show-statistics`; on the
+        test's thread: hypothesis refuses events from others)."""
+        if any(saved.absent_who.get(r) for r in req_ids):
+            event("materialize: a hit over 'who' rows never written, refused")
+        if any(saved.num_read_rows[r] and len(saved.expected[r]) > saved.num_read_rows[r] for r in req_ids):
+            event("materialize: a hit and rows of this step in one request (its 'extra' rows sliced)")
+
+    def _verify(self, saved: SavedStep, step_id: int, req_ids: list[str], materialize) -> None:
+        """Runs ``materialize`` (of ``req_ids`` of the step) and checks what it returns, or that
+        it raises `UnservableHitError` when a requested hit covers "who" rows never written
+        (any thread)."""
+        absent = {r: saved.absent_who[r] for r in req_ids if saved.absent_who.get(r)}
+        if absent:
+            with pytest.raises(UnservableHitError, match="never written") as raised:
+                materialize()
+            req_id, slots = next((r, s) for r, s in absent.items() if f"request {r!r}" in str(raised.value))
+            assert f"hits {saved.num_read_rows[req_id]} rows of 'who'" in str(raised.value), raised.value
+            assert f"{len(slots)} were never written" in str(raised.value), (raised.value, slots)
+            return
+        out = materialize()
         assert out.hidden is not None and set(out.hidden) == set(req_ids)
-        assert set(out.mm) == {*self.keys, "note"}
+        assert set(out.mm) == {*saved.keys, "note", "extra"}
         problems = []
         for req_id in req_ids:
             rows = saved.expected[req_id]
             where = f"step {saved.step} (id {step_id}) request {req_id}"
-            wanted = [("hidden", out.hidden[req_id], HIDDEN_KEY, torch.float64)]
-            wanted += [(name, out.mm[name][req_id], key, torch.int64) for name, key in self.keys.items()]
-            for label, got, key, dtype in wanted:
-                want = stamps([Stamp(key, *r) for r in rows], dtype)
+            own = rows[saved.num_read_rows[req_id] :]  # (a leftover has this step's rows only: those returned)
+            wanted = [("hidden", out.hidden[req_id], HIDDEN_KEY, torch.float64, rows)]
+            wanted += [(name, out.mm[name][req_id], key, torch.int64, rows) for name, key in saved.keys.items()]
+            wanted.append(("extra", out.mm["extra"][req_id], EXTRA_KEY, torch.int64, own))
+            for label, got, key, dtype, want_rows in wanted:
+                want = stamps([Stamp(key, *r) for r in want_rows], dtype)
 
-                def explain(p: int, got=got, want=want, read=saved.num_read_rows[req_id]) -> str:
+                read = saved.num_read_rows[req_id] if label != "extra" else 0
+
+                def explain(p: int, got=got, want=want, read=read) -> str:
                     row = got[p] if p < got.shape[0] else None
                     part = "from the pool" if p < read else "this step"
                     came, due = describe(row, BLOCK_SIZE), describe(want[p], BLOCK_SIZE)
@@ -468,7 +532,10 @@ class CacheMachine(RuleBasedStateMachine):
             chosen = [running[0]]
         chosen = data.draw(st.permutations(chosen), label="order")
         order = [(r, data.draw(st.integers(1, r.num_tokens - r.num_done))) for r in chosen]
-        self._save(order, data.draw(st.sampled_from([0, 0, 1, 3]), label="pad"))
+        omit_who = data.draw(st.integers(0, 5), label="omit_who") == 0
+        if omit_who:
+            event("save: a step without 'who'")
+        self._save(order, data.draw(st.sampled_from([0, 0, 1, 3]), label="pad"), omit_who)
 
     @precondition(lambda self: self.m_outstanding)
     @rule(data=st.data())
@@ -486,6 +553,36 @@ class CacheMachine(RuleBasedStateMachine):
             label="req_ids",
         )
         self._check(step_id, list(subset))
+
+    @precondition(lambda self: self.THREADED and len(self.m_outstanding) >= 2)
+    @rule(data=st.data())
+    def consume_two_at_once(self, data: st.DataObject) -> None:
+        """Materializes two outstanding step ids at once, each on a thread of its own (neither
+        the saving thread: both read the staging pages, or wait for their copies)."""
+        picked = data.draw(st.lists(st.sampled_from(sorted(self.m_outstanding)), min_size=2, max_size=2, unique=True))
+        saved = {step_id: self.m_outstanding.pop(step_id) for step_id in picked}
+        start = threading.Barrier(len(picked))
+        errors: list[BaseException] = []
+
+        def consume(step_id: int) -> None:
+            req_ids = saved[step_id].req_ids
+            try:
+                start.wait(10)
+                self._verify(saved[step_id], step_id, req_ids, lambda: self.cache.materialize(step_id, req_ids))
+            except BaseException as exc:  # (raised on the test's thread below)
+                errors.append(exc)
+
+        threads = [threading.Thread(target=consume, args=(step_id,)) for step_id in picked]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert not any(thread.is_alive() for thread in threads), "a materialize did not return in 30 s"
+        if errors:
+            raise errors[0]
+        event("two steps materialized at once")
+        for step_id in picked:
+            self._count(saved[step_id], saved[step_id].req_ids)
 
     @invariant()
     def counters_agree(self) -> None:
@@ -518,8 +615,10 @@ class CacheMachine(RuleBasedStateMachine):
             # What the pool holds in the end: a last request hits every fully written block.
             full = self._full_blocks()
             spare = [b for b in self.m_free if b not in full] or [b for b in self.m_free if b in full]
+            # (blocks a step wrote without "who" since are left out: their hit would be refused)
+            hit = [b for b in full if b not in spare[:1] and not self._who_absent_in(b)]
             if spare:
-                last = self._add_request([b for b in full if b != spare[0]], spare[:1], 1)
+                last = self._add_request(hit, spare[:1], 1)
                 step_id = self._save_pending()
                 assert last.req_id in self.m_outstanding[step_id].req_ids
                 self._check(step_id, self.m_outstanding[step_id].req_ids)
