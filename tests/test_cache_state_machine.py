@@ -521,11 +521,9 @@ class CacheMachine(RuleBasedStateMachine):
             order.append((r, left if data.draw(st.booleans(), label="to_end") else data.draw(st.integers(1, left))))
         self._save(order, 0)
 
-    @precondition(lambda self: len(self.m_outstanding) < STAGING_DEPTH - 1 and (self._pending() or self._running()))
-    @rule(data=st.data())
-    def save_step(self, data: st.DataObject) -> None:
-        """One step: every new or resumed request and some running ones, each a chunk of its
-        remaining tokens."""
+    def _draw_step(self, data: st.DataObject) -> tuple[list[tuple[Req, int]], int, bool]:
+        """A step's schedule: every new or resumed request and some running ones, each a chunk
+        of its remaining tokens, in any order; its padding; whether it leaves "who" out."""
         running = self._running()
         chosen = self._pending() + [r for r in running if data.draw(st.booleans())]
         if not chosen:
@@ -535,7 +533,53 @@ class CacheMachine(RuleBasedStateMachine):
         omit_who = data.draw(st.integers(0, 5), label="omit_who") == 0
         if omit_who:
             event("save: a step without 'who'")
-        self._save(order, data.draw(st.sampled_from([0, 0, 1, 3]), label="pad"), omit_who)
+        return order, data.draw(st.sampled_from([0, 0, 1, 3]), label="pad"), omit_who
+
+    @precondition(lambda self: len(self.m_outstanding) < STAGING_DEPTH - 1 and (self._pending() or self._running()))
+    @rule(data=st.data())
+    def save_step(self, data: st.DataObject) -> None:
+        """One step (`_draw_step`)."""
+        self._save(*self._draw_step(data))
+
+    @precondition(
+        lambda self: (
+            self.THREADED
+            and self.m_outstanding
+            and len(self.m_outstanding) < STAGING_DEPTH - 1
+            and (self._pending() or self._running())
+        )
+    )
+    @rule(data=st.data())
+    def save_while_consuming(self, data: st.DataObject) -> None:
+        """One step (`_draw_step`) saved while another thread materializes an outstanding step:
+        the save's claims may overwrite rows that step's hits read, and its reader may have to
+        wait for the rows the save keeps aside for it. Whatever the interleaving, the rows are
+        the model's, captured when that step was saved."""
+        step_id = data.draw(st.sampled_from(sorted(self.m_outstanding)), label="step_id")
+        schedule = self._draw_step(data)
+        saved = self.m_outstanding.pop(step_id)
+        start = threading.Barrier(2)
+        errors: list[BaseException] = []
+
+        def consume() -> None:
+            try:
+                start.wait(10)
+                self._verify(saved, step_id, saved.req_ids, lambda: self.cache.materialize(step_id, saved.req_ids))
+            except BaseException as exc:  # (raised on the test's thread below)
+                errors.append(exc)
+
+        thread = threading.Thread(target=consume)
+        thread.start()
+        try:
+            start.wait(10)
+            self._save(*schedule)
+        finally:
+            thread.join(30)
+        assert not thread.is_alive(), "a materialize did not return in 30 s"
+        if errors:
+            raise errors[0]
+        event("a step saved while another is materialized")
+        self._count(saved, saved.req_ids)
 
     @precondition(lambda self: self.m_outstanding)
     @rule(data=st.data())
