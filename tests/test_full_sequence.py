@@ -195,6 +195,22 @@ def test_close_wakes_a_save_waiting_for_device_budget() -> None:
         assert [type(exc) for exc in raised] == [CacheClosedError], raised
 
 
+def test_close_releases_the_device_clones_of_live_requests() -> None:
+    # A live request's deferred rows wait on the device for its finish, which the cache will not
+    # see after close: close releases them (the device budget back to zero, no open record),
+    # and a save after it is refused.
+    cache = small_cache(policy=DEFERRED)
+    check(cache.materialize(save(cache, [("a", [0], 0, 4, 1)], new=[NewRequest("a", [0])]), ["a"]), "a", (1, 0, 4))
+    check(cache.materialize(save(cache, [("a", [0, 1], 4, 2, 1)]), ["a"]), "a", (1, 4, 2))
+    stats = cache.stats()
+    assert stats.device_bytes == 6 * 2 * 8 and stats.deferred_open == 1, stats
+    cache.close()
+    stats = cache.stats()
+    assert stats.device_bytes == 0 and stats.deferred_open == 0, stats
+    with pytest.raises(CacheClosedError):
+        save(cache, [("a", [0, 1], 6, 1, 1)])
+
+
 def test_a_save_that_gets_no_device_budget_in_time_is_refused_and_loses_nothing() -> None:
     with budget_of_one_step(claim_timeout_s=0.2) as cache:
         gate = threading.Event()  # the committer cannot write a's rows: b's save finds no room

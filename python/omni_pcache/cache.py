@@ -177,7 +177,10 @@ class PrefixCache:
             raise self._failure
 
     def close(self) -> None:
-        """Writes what is queued, stops the committer and wakes every waiter. Idempotent."""
+        """Writes what is queued, stops the committer and wakes every waiter. Idempotent.
+        Deferred rows of live requests are not queued (they would be at their requests' finish,
+        which the cache will not see now): their device clones are released, so the device
+        budget is back to zero."""
         if self._closed:
             return
         self._closed = True
@@ -185,6 +188,7 @@ class PrefixCache:
         self._finalizer()  # stops the committer once
         self._staging.close()
         with self._cond:
+            self._deferred.drop_open()
             self._cond.notify_all()
 
     def _failure_or_none(self) -> WriteFailedError | None:

@@ -45,7 +45,10 @@ def reading(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
     with _read_streams_lock:
         stream = _read_streams.get(tensor.device)
         if stream is None:
-            stream = _read_streams[tensor.device] = torch.cuda.Stream(device=tensor.device)
+            # (from the high-priority pool: torch hands out pooled streams round-robin, so a
+            # low-priority one would in time be some cache's side stream, and a synchronous
+            # clone read would wait behind that stream's copies, which wait for the forward)
+            stream = _read_streams[tensor.device] = torch.cuda.Stream(device=tensor.device, priority=-1)
     return torch.cuda.stream(stream)
 
 
@@ -341,6 +344,14 @@ class DeferredWrites:
         self.failed = True
         self.open.clear()
         self.budget.wake()
+
+    def drop_open(self) -> None:
+        """At close, after the committer stopped (ledger lock held): releases the open records'
+        holds on their clones (uncharging the budget) and forgets them, as `drop_all` does; no
+        record is opened or extended after it."""
+        for record in self.open.values():
+            record.release()
+        self.drop_all()
 
     def discard_clones(self, clones: dict[str, Clone]) -> None:
         """A save refused after `clone_step`, before any record took a view of its clones:
