@@ -158,6 +158,12 @@ def test_materialize_refuses_a_bare_str_unhashable_and_duplicate_ids_and_consume
         ),
         (StepBatch(["a"], [2], torch.tensor([True, False])), "1-D integer array, got a torch.bool tensor"),
         (StepBatch(["a"], [2], [[0, 1], [2]]), "slot_mapping must be a 1-D integer array: setting an array element"),
+        # (device tensors: reading them would wait for the forward inside save; "meta" stands in for CUDA)
+        (StepBatch(["a"], [2], torch.arange(2, device="meta")), "slot_mapping must be the CPU slot ids"),
+        (
+            StepBatch(["a"], torch.tensor([2], device="meta"), np.arange(2)),
+            r"num_scheduled_tokens must be host ints \(no device sync\), got a meta tensor",
+        ),
         (StepBatch(["a"], [2], np.arange(2), 1), "num_tokens_padded must be an int >= 2"),
         (StepBatch(["a"], [True], np.arange(2)), "num_scheduled_tokens of 'a' must be an int >= 0, got True"),
         (StepBatch(["a"], [1.0], np.arange(2)), "num_scheduled_tokens of 'a' must be an int >= 0, got 1.0"),
@@ -186,6 +192,16 @@ def test_bad_batches_raise_and_the_cache_stays_usable(batch, message) -> None:
         # (the same rows saved with num_tokens_padded == the scheduled tokens: no padding)
         out = cache.materialize(cache.save(torch.ones(2, 2), {}, StepBatch(["a"], [2], np.arange(2, 4), 2)), ["a"])
         assert torch.equal(out.hidden["a"], torch.ones(2, 2))  # (a continued request: this step's rows)
+
+
+def test_token_counts_may_be_a_cpu_tensor_or_a_numpy_array() -> None:
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0]), NewRequest("b", [1])]))
+        hidden = torch.arange(8.0).reshape(4, 2)
+        for counts in (torch.tensor([3, 1]), np.array([3, 1])):
+            out = cache.materialize(cache.save(hidden, {}, StepBatch(["a", "b"], counts, np.arange(4))), ["a", "b"])
+            assert torch.equal(out.hidden["a"], hidden[:3]) and torch.equal(out.hidden["b"], hidden[3:])
+            hidden = hidden + 8  # (a continued step: the same slots, new rows)
 
 
 @pytest.mark.parametrize(

@@ -82,8 +82,15 @@ def check_batch(batch: StepBatch, config: CacheConfig) -> BatchShape:
     req_ids, counts = batch.req_ids, batch.num_scheduled_tokens
     req_ids = as_list(req_ids, "StepBatch.req_ids")  # (an iterator would be spent by a second call below)
     if type(counts) is not list:
+        if isinstance(counts, torch.Tensor) and not counts.is_cpu:
+            # (each count read off the device would wait for the whole forward, inside save)
+            raise InvalidInputError(
+                f"num_scheduled_tokens must be host ints (no device sync), got a {counts.device} tensor"
+            )
         counts = (
-            counts.tolist() if isinstance(counts, np.ndarray) else as_list(counts, "StepBatch.num_scheduled_tokens")
+            counts.tolist()
+            if isinstance(counts, np.ndarray | torch.Tensor)
+            else as_list(counts, "StepBatch.num_scheduled_tokens")
         )
     checked = native_check_batch(req_ids, counts, mapping, *args)
     if checked is None:  # not an int64/int32 numpy array
