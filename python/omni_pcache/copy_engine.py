@@ -162,18 +162,22 @@ class StepCopy:
         if self._host:
             host = HostCopy(self._host)
             self._host = []
-            self.engine.remember_host(host)
         if not self._cuda:
+            if host is not None:
+                self.engine.remember_host(host)
             return CopyHandle(None, host)
         device, pairs, self._cuda = self._device, self._cuda, []
-        stream = self.engine.side_stream(device)
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(device))
-        stream.wait_event(ready)
-        timing = self.engine.timing
-        started = torch.cuda.Event(enable_timing=True) if timing else None
-        done = host_waited_event(timing)
+        stream = done = None
+        # Every CUDA call is inside the try: one that raises before the copies (a CUDA error)
+        # must not leave the CPU copies remembered for the next fence either.
         try:
+            stream = self.engine.side_stream(device)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
+            stream.wait_event(ready)
+            timing = self.engine.timing
+            started = torch.cuda.Event(enable_timing=True) if timing else None
+            done = host_waited_event(timing)
             with torch.cuda.stream(stream):
                 if started is not None:  # right before the copies, as a raw copy would be timed
                     started.record(stream)
@@ -182,18 +186,20 @@ class StepCopy:
                     # The caching allocator must not hand src's memory to the compute stream before
                     # the side stream has read it (recorded per copy: a later copy may raise).
                     src.record_stream(stream)
+            done.record(stream)
         except BaseException:
             # The caller releases the page these copies write into and raises: the copies already
             # launched must land first, and the CPU copies handed over must not run at the next
             # fence, into a page a later step may hold by then.
-            done.record(stream)
-            with contextlib.suppress(Exception):
-                done.synchronize()
+            if stream is not None:
+                with contextlib.suppress(Exception):
+                    stream.synchronize()
             if host is not None:
                 with contextlib.suppress(Exception):
                     host.run()
             raise
-        done.record(stream)
+        if host is not None:
+            self.engine.remember_host(host)
         self.engine.remember(device, done)
         if started is not None:
             self.engine.timed.append((started, done))
