@@ -3,6 +3,7 @@ CPU path. Skipped without a GPU; `just gpu-check` runs these on a GPU machine.""
 
 from __future__ import annotations
 
+import gc
 from typing import NamedTuple
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 
 from cachekit import slots_of, small_cache
 from omni_pcache import CachePolicy, NewRequest, StepBatch, StepEvents
-from omni_pcache.copy_engine import CopyEngine, StepCopy, empty_host
+from omni_pcache.copy_engine import CopyEngine, CopyHandle, StepCopy, empty_host
 
 pytestmark = pytest.mark.cuda
 BS = 4
@@ -130,11 +131,76 @@ def test_a_copy_that_raises_leaves_no_copy_of_the_step_running_or_pending() -> N
     assert torch.equal(cpu_dst, cpu_src), "the CPU copy ran: none is left for the next fence"
 
 
+def test_a_cuda_call_that_raises_before_the_copies_leaves_no_cpu_copy_for_the_next_fence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # (a CUDA error in the side stream's set-up: save then releases the step's page, so the CPU
+    # copies handed over must run now, not at the next fence into a page a later step holds)
+    engine = CopyEngine()
+
+    def broken(device):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(engine, "side_stream", broken)
+    copy = engine.start()
+    cpu_src, cpu_dst = torch.randn(1 << 17), torch.zeros(1 << 17)  # 512 KiB: handed to a HostCopy
+    copy.copy(cpu_dst, cpu_src)
+    copy.copy(empty_host((4,), torch.float32), torch.ones(4, device="cuda"))
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        copy.finish()
+    assert torch.equal(cpu_dst, cpu_src), "the CPU copy ran before finish raised"
+    cpu_dst.zero_()
+    engine.fence()
+    assert not cpu_dst.any(), "the fence ran the refused step's CPU copy again"
+
+
+def test_the_save_copy_waits_for_rows_the_forward_is_still_writing() -> None:
+    # The forward's last write to its output is still queued on the compute stream when save
+    # is called: the side stream's copy must wait for it (else it copies the zeros before it).
+    want = torch.randn(BIG_ROWS, BIG_WIDTH)
+    src = want.to("cuda")
+    hidden = torch.zeros_like(src)
+    torch.cuda.synchronize()
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2, 3])]))
+        torch.cuda._sleep(SLEEP_CYCLES)
+        hidden.copy_(src)  # (device to device, queued behind the sleep: nothing syncs before save)
+        sid = cache.save(hidden, {}, StepBatch(["a"], [BIG_ROWS], slots_of([0, 1, 2, 3], 0, BIG_ROWS, BS)))
+        cache.begin_step(StepEvents())  # the fence
+        out = cache.materialize(sid, ["a"])
+    assert torch.equal(out.hidden["a"], want)
+
+
+def test_deferred_rows_are_read_only_once_the_forward_wrote_them() -> None:
+    # A deferred key's clone is made on the compute stream behind the forward's last write;
+    # materialize in place reads it at once on the clone-read stream, which must wait for it.
+    policy = CachePolicy(token_keys={"codes"}, deferred_keys={"codes"})
+    want = torch.arange(64 * 1024, dtype=torch.int64).reshape(-1, 4)
+    src = want.to("cuda")
+    codes = torch.zeros_like(src)
+    n = want.shape[0]
+    blocks = list(range(n // BS))
+    torch.cuda.synchronize()
+    with small_cache(policy=policy, num_blocks=len(blocks) + 1, staging_capacity_tokens=n) as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", blocks)]))
+        torch.cuda._sleep(SLEEP_CYCLES)
+        codes.copy_(src)  # (device to device, queued behind the sleep: nothing syncs before save)
+        sid = cache.save(torch.ones(n, 2, device="cuda"), {"codes": codes}, StepBatch(["a"], [n], np.arange(n)))
+        out = cache.materialize(sid, ["a"])  # (the saving thread, before the next begin_step)
+        assert torch.equal(out.mm["codes"]["a"], want)
+        # b hits a's blocks but the last while a is live: its rows come from a's device clone
+        cache.begin_step(StepEvents(new=[NewRequest("b", [*blocks[:-1], len(blocks)], n - BS)]))
+        batch = StepBatch(["b"], [BS], slots_of([*blocks[:-1], len(blocks)], n - BS, BS, BS))
+        sid = cache.save(torch.ones(BS, 2, device="cuda"), {"codes": src[-BS:].clone()}, batch)
+        assert torch.equal(cache.materialize(sid, ["b"]).mm["codes"]["b"], want)
+
+
 def test_deferred_rows_are_written_chunk_by_chunk_without_a_device_copy_of_the_record() -> None:
     # A record over three steps' clones: its host copy is made chunk by chunk (a concatenation
     # on the device would hold a second copy of the record outside the budget).
     policy = CachePolicy(token_keys={"codes"}, deferred_keys={"codes"})
-    with small_cache(policy=policy) as cache:
+    # (pieces of one 32-byte row each: the record's copy loops over every row of every chunk)
+    with small_cache(policy=policy, copy_chunk_bytes=40) as cache:
         expected = []
         for step in range(3):
             cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2])]) if step == 0 else StepEvents())
@@ -142,6 +208,7 @@ def test_deferred_rows_are_written_chunk_by_chunk_without_a_device_copy_of_the_r
             expected.append(codes)
             batch = StepBatch(["a"], [4], slots_of([0, 1, 2], 4 * step, 4, BS))
             cache.materialize(cache.save(torch.ones(4, 2, device="cuda"), {"codes": codes.to("cuda")}, batch), ["a"])
+        gc.collect()  # (an earlier test's cache freed by a collection meanwhile would lower the peak's base)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
@@ -179,11 +246,16 @@ class Prosody(NamedTuple):
     label: str
 
 
-def test_cuda_leftovers_come_back_on_the_host_even_read_in_place() -> None:
+def test_cuda_leftovers_come_back_on_the_host_even_read_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
     # A CPU hidden with CUDA leftovers, materialized on the saving thread before the next
     # begin_step: the step's rows are read in place, but the leftovers' device→host copies
     # must still be waited; a namedtuple's tensors are snapshotted to the host as well.
-    with small_cache() as cache:
+    # (inline_write_bytes=0: a step save writes itself is read from its own copies instead)
+    waits: list[str] = []
+    wait, wait_device = CopyHandle.wait, CopyHandle.wait_device
+    monkeypatch.setattr(CopyHandle, "wait", lambda self: (waits.append("wait"), wait(self))[1])
+    monkeypatch.setattr(CopyHandle, "wait_device", lambda self: (waits.append("wait_device"), wait_device(self))[1])
+    with small_cache(inline_write_bytes=0) as cache:
         cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
         speaker = torch.arange(1 << 22, dtype=torch.float32, device="cuda")  # 16 MiB
         prosody = Prosody(torch.full((3,), 2.0, device="cuda"), "calm")
@@ -192,7 +264,9 @@ def test_cuda_leftovers_come_back_on_the_host_even_read_in_place() -> None:
         sid = cache.save(
             torch.ones(4, 2), {"speaker": speaker, "prosody": prosody}, StepBatch(["a"], [4], np.arange(4))
         )
+        waits.clear()  # (the committer's waits before this: it may write the step meanwhile)
         out = cache.materialize(sid, ["a"])
+        assert waits[:1] == ["wait_device"], "read in place: only the leftovers' device copies waited"
         got = out.mm["speaker"]["a"]
         assert got.device.type == "cpu" and torch.equal(got, want)
         kept = out.mm["prosody"]["a"]
