@@ -100,11 +100,12 @@ class OutputBuffers:
     rows (a CUDA-graph bucket); the next step overwrites them right after its `begin_step`.
     The cache must therefore hold its own copy by then, and, on CUDA, its side-stream copy must
     wait for the fill: each fill first holds the compute stream for a while
-    (``torch.cuda._sleep``), so a copy that ran early would read the previous step's rows.
-    Engine thread only."""
+    (``torch.cuda._sleep``), then fills the buffers from the device (the host-to-device copies,
+    which sync with the host, come before the delay), so nothing syncs between the delay and
+    save, and a copy that ran early would read the previous step's rows. Engine thread only."""
 
     PAD = 8
-    DELAY_CYCLES = 200_000  # ~0.1 ms of GPU time per step
+    DELAY_CYCLES = 2_000_000  # ~1 ms of GPU time per step: longer than save's own host time
 
     def __init__(self, device: str, capacity: int) -> None:
         self.device = torch.device(device)
@@ -124,15 +125,17 @@ class OutputBuffers:
             self._hidden = torch.zeros((self.capacity, *hidden.shape[1:]), dtype=hidden.dtype, device=self.device)
             self._proj = torch.zeros((self.capacity, *proj.shape[1:]), dtype=proj.dtype, device=self.device)
         assert self._proj is not None
+        # (copies from pageable host memory sync the stream with the host: all of them first)
+        hidden, proj = hidden.to(self.device), proj.to(self.device)
+        if isinstance(leftover, dict):
+            leftover = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in leftover.items()}
         if self.device.type == "cuda" and hasattr(torch.cuda, "_sleep"):
             torch.cuda._sleep(self.DELAY_CYCLES)
-        self._hidden[:n].copy_(hidden, non_blocking=True)
-        self._proj[:n].copy_(proj, non_blocking=True)
+        self._hidden[:n].copy_(hidden)  # (on the device: queued behind the delay)
+        self._proj[:n].copy_(proj)
         padded = min(n + (-n) % self.PAD, self.capacity)
         self._hidden[n:padded].fill_(float("nan"))  # padding rows: never part of an output
         self._proj[n:padded].fill_(-1)
-        if isinstance(leftover, dict):
-            leftover = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in leftover.items()}
         return self._hidden[:padded], {"proj": self._proj[:padded], "step_info": leftover}, padded, self._slots[:n]
 
 
