@@ -13,6 +13,7 @@ import torch
 from cachekit import slots_of, small_cache
 from omni_pcache import CachePolicy, NewRequest, StepBatch, StepEvents
 from omni_pcache.copy_engine import CopyEngine, CopyHandle, StepCopy, empty_host
+from omni_pcache.deferred import DeferredRecord
 
 pytestmark = pytest.mark.cuda
 BS = 4
@@ -195,7 +196,9 @@ def test_deferred_rows_are_read_only_once_the_forward_wrote_them() -> None:
         assert torch.equal(cache.materialize(sid, ["b"]).mm["codes"]["b"], want)
 
 
-def test_deferred_rows_are_written_chunk_by_chunk_without_a_device_copy_of_the_record() -> None:
+def test_deferred_rows_are_written_chunk_by_chunk_without_a_device_copy_of_the_record(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # A record over three steps' clones: its host copy is made chunk by chunk (a concatenation
     # on the device would hold a second copy of the record outside the budget).
     policy = CachePolicy(token_keys={"codes"}, deferred_keys={"codes"})
@@ -212,9 +215,18 @@ def test_deferred_rows_are_written_chunk_by_chunk_without_a_device_copy_of_the_r
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
+        prepare, hosts = DeferredRecord.prepare, []
+
+        def watched(record) -> None:
+            prepare(record)
+            hosts.extend(record.host.values())
+
+        monkeypatch.setattr(DeferredRecord, "prepare", watched)
         cache.begin_step(StepEvents(finished=["a"]))  # flushes the record
         cache.flush()
         assert torch.cuda.max_memory_allocated() == start, "writing the record allocated device memory"
+        # (its host copy is pageable: pinned, it would stay page-locked in torch's host cache)
+        assert [h.shape for h in hosts] == [(12, 4)] and not hosts[0].is_pinned()
         cache.begin_step(StepEvents(new=[NewRequest("b", [0, 1, 2, 3], 12)]))  # hits the 12 rows
         codes = torch.full((1, 4), -5)
         batch = StepBatch(["b"], [1], slots_of([0, 1, 2, 3], 12, 1, BS))

@@ -12,9 +12,10 @@ from the clone.
 
 Threads: records are opened, extended and flushed on the engine thread; the committer writes
 them and releases their clones; readers read clones (immutable once made) from any thread.
-Host reads of a CUDA clone wait its ``ready`` event, then copy on the device's clone-read
-stream (`reading`), not the compute stream: they neither queue behind the forward in flight
-nor hold up the next one.
+Host reads of a CUDA clone wait its ``ready`` event, then copy on the reading thread's own
+clone-read stream (`reading`), not the compute stream: they neither queue behind the forward
+in flight nor hold up the next one, nor behind another thread's reads (the engine thread's
+keep-aside copies in save do not wait for the committer's record copies).
 """
 
 from __future__ import annotations
@@ -27,28 +28,30 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from omni_pcache.copy_engine import empty_host, host_waited_event
+from omni_pcache.copy_engine import host_waited_event
 from omni_pcache.errors import CacheClosedError, InvalidInputError, StagingTimeoutError
 from omni_pcache.keys import KeySpec
 
-_read_streams: dict[torch.device, torch.cuda.Stream] = {}
-_read_streams_lock = threading.Lock()
+_read_streams = threading.local()  # .by_device: this thread's clone-read stream per device
 
 
 def reading(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
-    """The context a host read of a clone runs in (any thread): for a CUDA clone, its device's
-    clone-read stream (one per device and process, made on first use), so the copy waits only
-    for itself; for a CPU clone, nothing. The copies made in it are synchronous (the host
-    reads their result at once), so the clone needs no ``record_stream``."""
+    """The context a host read of a clone runs in (any thread): for a CUDA clone, the calling
+    thread's clone-read stream for its device (made on first use, gone with the thread), so
+    the copy waits only for itself; for a CPU clone, nothing. The copies made in it are
+    synchronous (the host reads their result at once), so the clone needs no
+    ``record_stream``."""
     if not tensor.is_cuda:
         return contextlib.nullcontext()
-    with _read_streams_lock:
-        stream = _read_streams.get(tensor.device)
-        if stream is None:
-            # (from the high-priority pool: torch hands out pooled streams round-robin, so a
-            # low-priority one would in time be some cache's side stream, and a synchronous
-            # clone read would wait behind that stream's copies, which wait for the forward)
-            stream = _read_streams[tensor.device] = torch.cuda.Stream(device=tensor.device, priority=-1)
+    streams = getattr(_read_streams, "by_device", None)
+    if streams is None:
+        streams = _read_streams.by_device = {}
+    stream = streams.get(tensor.device)
+    if stream is None:
+        # (from the high-priority pool: torch hands out pooled streams round-robin, so a
+        # low-priority one would in time be some cache's side stream, and a synchronous
+        # clone read would wait behind that stream's copies, which wait for the forward)
+        stream = streams[tensor.device] = torch.cuda.Stream(device=tensor.device, priority=-1)
     return torch.cuda.stream(stream)
 
 
@@ -172,7 +175,10 @@ class DeferredRecord:
             if not first.is_cuda:
                 self.host[spec.name] = torch.cat([clone.rows(start, start + count) for clone, start, count in chunks])
                 continue
-            host = empty_host((self.num_rows, *first.shape[1:]), first.dtype)
+            # (pageable, as the pool is by default: the copies into it are synchronous anyway,
+            # and a long request's record pinned would stay page-locked in torch's host cache,
+            # rounded up to a power of two, for the life of the process)
+            host = torch.empty((self.num_rows, *first.shape[1:]), dtype=first.dtype)
             per_piece = max(1, self.copy_chunk_bytes // max(spec.row_bytes, 1))
             at = 0
             with reading(first):
