@@ -9,8 +9,8 @@ With ``RESUME``, running requests are also preempted (their blocks freed, to be 
 others) and resumed with a new block table: a whole-block hit on their own blocks that are
 still fully written and not reused, on any other fully written blocks, or none (recompute).
 With ``DEFERRED``, a second mm key is deferred (kept on the device until its request finishes
-or a tight device budget forces a flush). Some steps leave the cached mm key "who" out: its
-rows at their slots are then never written, so a later hit over them must raise
+or a tight device budget forces a flush). Some steps leave a cached mm key out ("who", or the
+deferred "codes"): its rows at their slots are then never written, so a later hit over them must raise
 `UnservableHitError` (never the slots' previous rows), while a read that captured those rows
 before still gets them. Every step also passes a per-row leftover "extra" (not cached), which
 each request gets its own rows of, the ones it returns. With ``THREADED``, two outstanding
@@ -91,9 +91,9 @@ class SavedStep:
     expected: dict[str, list[tuple[int, int, int]]]  # req -> (slot, writer, step) per row
     num_read_rows: dict[str, int]  # leading rows read from the pool
     keys: dict[str, int]  # the cached mm keys the step gave (name -> stamp key)
-    # Per request, its pool rows of "who" that no step wrote (a step since left "who" out at
-    # their slots): materializing it must raise UnservableHitError.
-    absent_who: dict[str, list[int]]
+    # Per request and key the step gave, the slots of its pool rows that no step wrote (a step
+    # since left the key out there): materializing it must raise UnservableHitError.
+    absent: dict[str, dict[str, list[int]]]
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -121,7 +121,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache = PrefixCache(config, policy)
         self.keys = {"who": WHO_KEY, **({"codes": CODES_KEY} if self.DEFERRED else {})}
         self.m_rows: dict[int, tuple[int, int]] = {}  # slot -> (writer, step) of its latest write
-        self.m_who_absent: set[int] = set()  # slots whose latest write left "who" out
+        self.m_absent: dict[str, set[int]] = {name: set() for name in self.keys}  # slots last written without it
         self.m_filled: list[set[int]] = [set() for _ in range(NUM_BLOCKS)]  # offsets since allocation
         self.m_gen = [0] * NUM_BLOCKS  # allocations to a new tenant so far
         self.m_refs = [0] * NUM_BLOCKS
@@ -137,8 +137,8 @@ class CacheMachine(RuleBasedStateMachine):
 
     # ---- model helpers -------------------------------------------------------------------------
 
-    def _who_absent_in(self, block: int) -> bool:
-        return any(block * BLOCK_SIZE + i in self.m_who_absent for i in range(BLOCK_SIZE))
+    def _absent_in(self, block: int) -> bool:
+        return any(block * BLOCK_SIZE + i in absent for absent in self.m_absent.values() for i in range(BLOCK_SIZE))
 
     def _full_blocks(self) -> list[int]:
         return [b for b in range(NUM_BLOCKS) if len(self.m_filled[b]) == BLOCK_SIZE]
@@ -192,9 +192,9 @@ class CacheMachine(RuleBasedStateMachine):
             self.m_resumed.remove(req_id)
         self.m_finished.append(req_id)
 
-    def _save(self, order: list[tuple[Req, int]], pad: int, omit_who: bool = False) -> int:
-        """begin_step + save of one step scheduling ``count`` tokens of each request (without
-        the mm key "who" when ``omit_who``)."""
+    def _save(self, order: list[tuple[Req, int]], pad: int, omit: frozenset[str] = frozenset()) -> int:
+        """begin_step + save of one step scheduling ``count`` tokens of each request, without
+        the cached mm keys named in ``omit``."""
         step = self.step
         self.step += 1
         new = [NewRequest(r, list(self.m_live[r].block_ids), self.m_live[r].num_hit_tokens) for r in self.m_new]
@@ -211,13 +211,14 @@ class CacheMachine(RuleBasedStateMachine):
                 rows.append((slot, req.writer, step))
                 self.m_rows[slot] = (req.writer, step)
                 self.m_filled[slot // BLOCK_SIZE].add(slot % BLOCK_SIZE)
-        if omit_who:
-            self.m_who_absent.update(slots)
-        else:
-            self.m_who_absent.difference_update(slots)
-        given = {name: key for name, key in self.keys.items() if not (omit_who and name == "who")}
+        for name, absent in self.m_absent.items():
+            if name in omit:
+                absent.update(slots)
+            else:
+                absent.difference_update(slots)
+        given = {name: key for name, key in self.keys.items() if name not in omit}
         # Reads are planned after the step's claims: the expected rows are the model's now.
-        expected, num_read_rows, absent_who = {}, {}, {}
+        expected, num_read_rows, absent = {}, {}, {}
         for req, count in order:
             start, end = req.num_done, req.num_done + count
             positions: list[int] = []
@@ -226,8 +227,8 @@ class CacheMachine(RuleBasedStateMachine):
                 req.delivered = max(req.delivered, start)
                 req.read_from = None
             num_read_rows[req.req_id] = len(positions)
-            if "who" in given:
-                absent_who[req.req_id] = [req.slot(p) for p in positions if req.slot(p) in self.m_who_absent]
+            missing = {name: [req.slot(p) for p in positions if req.slot(p) in self.m_absent[name]] for name in given}
+            absent[req.req_id] = {name: slots for name, slots in missing.items() if slots}
             positions += range(max(start, req.delivered), end)  # recomputed rows are not returned twice
             expected[req.req_id] = [(req.slot(p), *self.m_rows[req.slot(p)]) for p in positions]
             req.delivered = max(req.delivered, end)
@@ -246,7 +247,7 @@ class CacheMachine(RuleBasedStateMachine):
         step_id = self.cache.save(stamped(HIDDEN_KEY, torch.float64), {**mm, "note": f"step {step}"}, batch)
         assert step_id not in self.m_outstanding
         self.m_outstanding[step_id] = SavedStep(
-            step, [r.req_id for r, _ in order], expected, num_read_rows, given, absent_who
+            step, [r.req_id for r, _ in order], expected, num_read_rows, given, absent
         )
         self.m_new.clear()
         self.m_resumed.clear()
@@ -269,22 +270,26 @@ class CacheMachine(RuleBasedStateMachine):
     def _count(saved: SavedStep, req_ids: list[str]) -> None:
         """Records what a checked materialize covered (`--hypothesis-show-statistics`; on the
         test's thread: hypothesis refuses events from others)."""
-        if any(saved.absent_who.get(r) for r in req_ids):
-            event("materialize: a hit over 'who' rows never written, refused")
+        for name in sorted({name for r in req_ids for name in saved.absent.get(r, {})}):
+            event(f"materialize: a hit over {name!r} rows never written, refused")
         if any(saved.num_read_rows[r] and len(saved.expected[r]) > saved.num_read_rows[r] for r in req_ids):
             event("materialize: a hit and rows of this step in one request (its 'extra' rows sliced)")
 
     def _verify(self, saved: SavedStep, step_id: int, req_ids: list[str], materialize) -> None:
         """Runs ``materialize`` (of ``req_ids`` of the step) and checks what it returns, or that
-        it raises `UnservableHitError` when a requested hit covers "who" rows never written
+        it raises `UnservableHitError` when a requested hit covers rows of a key never written
         (any thread)."""
-        absent = {r: saved.absent_who[r] for r in req_ids if saved.absent_who.get(r)}
+        absent = {(r, name): slots for r in req_ids for name, slots in saved.absent.get(r, {}).items()}
         if absent:
             with pytest.raises(UnservableHitError, match="never written") as raised:
                 materialize()
-            req_id, slots = next((r, s) for r, s in absent.items() if f"request {r!r}" in str(raised.value))
-            assert f"hits {saved.num_read_rows[req_id]} rows of 'who'" in str(raised.value), raised.value
-            assert f"{len(slots)} were never written" in str(raised.value), (raised.value, slots)
+            message = str(raised.value)
+            named = [at for at in absent if f"request {at[0]!r}" in message and f"of {at[1]!r}" in message]
+            assert len(named) == 1, (message, absent)
+            req_id, name = named[0]
+            slots = absent[named[0]]
+            assert f"hits {saved.num_read_rows[req_id]} rows of {name!r}" in message, message
+            assert f"{len(slots)} were never written" in message, (message, slots)
             return
         out = materialize()
         assert out.hidden is not None and set(out.hidden) == set(req_ids)
@@ -521,19 +526,19 @@ class CacheMachine(RuleBasedStateMachine):
             order.append((r, left if data.draw(st.booleans(), label="to_end") else data.draw(st.integers(1, left))))
         self._save(order, 0)
 
-    def _draw_step(self, data: st.DataObject) -> tuple[list[tuple[Req, int]], int, bool]:
+    def _draw_step(self, data: st.DataObject) -> tuple[list[tuple[Req, int]], int, frozenset[str]]:
         """A step's schedule: every new or resumed request and some running ones, each a chunk
-        of its remaining tokens, in any order; its padding; whether it leaves "who" out."""
+        of its remaining tokens, in any order; its padding; the cached mm keys it leaves out."""
         running = self._running()
         chosen = self._pending() + [r for r in running if data.draw(st.booleans())]
         if not chosen:
             chosen = [running[0]]
         chosen = data.draw(st.permutations(chosen), label="order")
         order = [(r, data.draw(st.integers(1, r.num_tokens - r.num_done))) for r in chosen]
-        omit_who = data.draw(st.integers(0, 5), label="omit_who") == 0
-        if omit_who:
-            event("save: a step without 'who'")
-        return order, data.draw(st.sampled_from([0, 0, 1, 3]), label="pad"), omit_who
+        omit = frozenset(name for name in self.keys if data.draw(st.integers(0, 5), label=f"omit {name}") == 0)
+        for name in sorted(omit):
+            event(f"save: a step without {name!r}")
+        return order, data.draw(st.sampled_from([0, 0, 1, 3]), label="pad"), omit
 
     @precondition(lambda self: len(self.m_outstanding) < STAGING_DEPTH - 1 and (self._pending() or self._running()))
     @rule(data=st.data())
@@ -659,8 +664,8 @@ class CacheMachine(RuleBasedStateMachine):
             # What the pool holds in the end: a last request hits every fully written block.
             full = self._full_blocks()
             spare = [b for b in self.m_free if b not in full] or [b for b in self.m_free if b in full]
-            # (blocks a step wrote without "who" since are left out: their hit would be refused)
-            hit = [b for b in full if b not in spare[:1] and not self._who_absent_in(b)]
+            # (blocks a step wrote without a key since are left out: their hit would be refused)
+            hit = [b for b in full if b not in spare[:1] and not self._absent_in(b)]
             if spare:
                 last = self._add_request(hit, spare[:1], 1)
                 step_id = self._save_pending()
