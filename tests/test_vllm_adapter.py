@@ -183,9 +183,11 @@ def test_gate_accepts_full_attention_and_its_subclasses(spec) -> None:
     assert cache_config_from_vllm(**configs(spec=spec)).block_size == 16
 
 
-def test_gate_accepts_a_kv_producer() -> None:
-    producer = v.KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_producer")
-    assert cache_config_from_vllm(**configs(kv_transfer_config=producer)) is not None
+@pytest.mark.parametrize("connector", ["NixlConnector", "MooncakeConnector"])
+def test_gate_accepts_a_sending_only_kv_producer_with_one_step_in_flight(connector) -> None:
+    producer = v.KVTransferConfig(kv_connector=connector, kv_role="kv_producer")
+    sync = v.SchedulerConfig(max_num_batched_tokens=512, async_scheduling=False)
+    assert cache_config_from_vllm(**configs(kv_transfer_config=producer, scheduler_config=sync)) is not None
 
 
 def uniform_group(*layer_specs) -> v.UniformTypeKVCacheSpecs:
@@ -196,6 +198,25 @@ def uniform_group(*layer_specs) -> v.UniformTypeKVCacheSpecs:
 REFUSED = {
     "kv-consumer": ({"kv_transfer_config": v.KVTransferConfig("NixlConnector", "kv_consumer")}, "kv_role"),
     "kv-both": ({"kv_transfer_config": v.KVTransferConfig("LMCacheConnectorV1", "kv_both")}, "kv_role"),
+    # a connector that may load KV whatever its role (an offloading tier)
+    "kv-loading-connector": (
+        {"kv_transfer_config": v.KVTransferConfig("OffloadingConnector", "kv_producer")},
+        "kv_transfer_config.kv_connector",
+    ),
+    # a producer with steps in flight: vLLM drops a preempted request's in-flight output
+    "kv-producer-async-by-default": (
+        {"kv_transfer_config": v.KVTransferConfig("NixlConnector", "kv_producer")},
+        "async_scheduling=False",
+    ),
+    "kv-producer-pipeline-parallel": (
+        {
+            "kv_transfer_config": v.KVTransferConfig("NixlConnector", "kv_producer"),
+            "scheduler_config": v.SchedulerConfig(max_num_batched_tokens=512, async_scheduling=False),
+            "parallel_config": v.ParallelConfig(pipeline_parallel_size=2),
+        },
+        "pipeline_parallel_size=1",
+    ),
+    "diffusion-lm": ({"model_config": v.ModelConfig(is_diffusion=True)}, "model_config.is_diffusion"),
     "speculative": ({"speculative_config": v.SpeculativeConfig()}, "speculative_config"),
     "two-groups": (
         {
@@ -368,6 +389,17 @@ def test_tracker_refuses_block_copies_and_changes_nothing() -> None:
         t.update(so)
     assert list(t) == ["a"] and t.blocks("a") == [1]
     t.update(so_of(kv_cache_block_copies=[]))  # empty list: nothing to mirror
+
+
+def test_tracker_refuses_draft_tokens_and_changes_nothing() -> None:
+    # (speculative decoding is refused at the gate; a diffusion canvas travels the same way)
+    t = BlockTracker()
+    t.update(so_of(new=[new_req("a", [1])], counts={"a": 4}))
+    so = so_of(finished={"a"}, new=[new_req("b", [2])], counts={"b": 4})
+    so.scheduled_spec_decode_tokens = {"b": [7, 8]}
+    with pytest.raises(ConfigError, match=r"scheduled_spec_decode_tokens holds draft tokens for 1 requests"):
+        t.update(so)
+    assert list(t) == ["a"] and t.blocks("a") == [1]
 
 
 def test_tracker_rejects_a_running_request_it_does_not_know() -> None:

@@ -124,7 +124,8 @@ def test_gate_with_real_configs() -> None:
         cache_config_from_vllm(**configs(cache_config=CacheConfig(block_size=16, enable_prefix_caching=False))) is None
     )
     producer = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_producer")
-    assert cache_config_from_vllm(**configs(kv_transfer_config=producer)) is not None
+    sync = REAL.SchedulerConfig(max_num_batched_tokens=512, async_scheduling=False)
+    assert cache_config_from_vllm(**configs(kv_transfer_config=producer, scheduler_config=sync)) is not None
 
 
 REFUSED = {
@@ -135,6 +136,14 @@ REFUSED = {
     "kv-both": (
         lambda: {"kv_transfer_config": KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both")},
         "kv_role",
+    ),
+    "kv-loading-connector": (
+        lambda: {"kv_transfer_config": KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_producer")},
+        "kv_transfer_config.kv_connector",
+    ),
+    "kv-producer-async-by-default": (
+        lambda: {"kv_transfer_config": KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_producer")},
+        "async_scheduling=False",
     ),
     "speculative": (
         lambda: {

@@ -156,12 +156,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     disable_hybrid_kv_cache_manager: bool = False
+    async_scheduling: bool | None = None  # (None: vLLM resolves it, on by default)
 
 
 @dataclass
 class ModelConfig:
     max_model_len: int = 4096
     runner_type: str = "generate"
+    is_diffusion: bool = False  # (vLLM's is a cached property of the HF config: a canvas_length)
 
 
 @dataclass

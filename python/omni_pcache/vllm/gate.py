@@ -27,9 +27,25 @@ REFUSALS: dict[str, str] = {
         "a KV connector loads KV computed by another instance into this one's blocks and counts it in "
         "num_computed_tokens; the rows of those tokens were never saved here, so their hits are unservable"
     ),
+    "kv_connector": (
+        "besides sending KV, this connector may load KV computed elsewhere (an offloading tier, another "
+        "instance) into this instance's blocks and count it in num_computed_tokens, whatever its kv_role; the "
+        "rows of those tokens were never saved here, so their hits would serve another tenant's rows; only "
+        "connectors known to load nothing in the kv_producer role are accepted"
+    ),
+    "kv_delivery": (
+        "a KV-producer connector makes vLLM drop the output of a step still in flight when its request is "
+        "preempted (drop_stale_output), which happens when more than one step is in flight (async scheduling, or "
+        "pipeline parallelism's batch queue); the cache counts those rows as delivered, so the consumer would "
+        "never get them"
+    ),
     "speculative": (
         "draft tokens are computed and then partly rejected; rows saved for rejected positions would be "
         "served as if they were the sequence's"
+    ),
+    "diffusion": (
+        "a diffusion LM computes a canvas of tokens per step and rejects part of it (num_computed_tokens moves "
+        "back); rows saved for rejected positions would be served as if they were the sequence's"
     ),
     "fast_prefill": (
         "with KV-sharing fast prefill (YOCO models such as Gemma3n) the last layers run only for the rows that "
@@ -90,6 +106,11 @@ def _is_kv_consumer(kv_transfer_config: Any) -> bool:
     return getattr(kv_transfer_config, "kv_role", None) in ("kv_consumer", "kv_both")
 
 
+PRODUCER_ONLY_CONNECTORS = frozenset({"NixlConnector", "MooncakeConnector"})
+"""KV connectors that, in the ``kv_producer`` role, only send this instance's KV (a P/D prefill
+node) and load nothing into it; any other connector is refused (``REFUSALS["kv_connector"]``)."""
+
+
 def _refuse(what: str, change: str, reason: str) -> ConfigError:
     return ConfigError(f"omni_pcache cannot serve {what}: {REFUSALS[reason]}. Change: {change}.")
 
@@ -130,6 +151,31 @@ def cache_config_from_vllm(
             f"a KV-consumer stage (kv_transfer_config.kv_role={role!r})",
             "set kv_transfer_config.kv_role='kv_producer' (or no KV connector), or enable_prefix_caching=False",
             "kv_consumer",
+        )
+    connector = None if kv_transfer_config is None else getattr(kv_transfer_config, "kv_connector", None)
+    if connector is not None:
+        if connector not in PRODUCER_ONLY_CONNECTORS:
+            raise _refuse(
+                f"KV connector {connector!r} (kv_transfer_config.kv_connector)",
+                f"no KV connector, or one of {sorted(PRODUCER_ONLY_CONNECTORS)} as kv_producer, or "
+                "enable_prefix_caching=False",
+                "kv_connector",
+            )
+        async_scheduling = getattr(scheduler_config, "async_scheduling", None)
+        pp = int(getattr(parallel_config, "pipeline_parallel_size", 1) or 1)
+        if async_scheduling is not False or pp > 1:  # (None: vLLM's default, on)
+            raise _refuse(
+                f"KV connector {connector!r} with more than one step in flight "
+                f"(scheduler_config.async_scheduling={async_scheduling!r}, pipeline_parallel_size={pp})",
+                "scheduler_config.async_scheduling=False (--no-async-scheduling) and pipeline_parallel_size=1, or "
+                "no KV connector, or enable_prefix_caching=False",
+                "kv_delivery",
+            )
+    if getattr(model_config, "is_diffusion", False) is True:
+        raise _refuse(
+            "a diffusion LM (model_config.is_diffusion)",
+            "enable_prefix_caching=False for this stage",
+            "diffusion",
         )
     if speculative_config is not None:
         method = getattr(speculative_config, "method", None)

@@ -77,6 +77,14 @@ class BlockTracker:
                 "the scheduler matched a prefix inside a block. The cache mirrors whole blocks only; unset "
                 "cache_config.prefix_match_unit (sub-block prefix matching) or set enable_prefix_caching=False"
             )
+        drafts = getattr(so, "scheduled_spec_decode_tokens", None)
+        if drafts:  # (a config the gate refuses; this catches what it cannot see, e.g. a diffusion canvas)
+            raise ConfigError(
+                f"SchedulerOutput.scheduled_spec_decode_tokens holds draft tokens for {len(drafts)} requests: part of "
+                "them will be rejected and their positions computed again, and rows saved for rejected positions "
+                "would be served as the sequence's; no speculative decoding (or diffusion LM) with "
+                "enable_prefix_caching=True"
+            )
         cached = so.scheduled_cached_reqs
         resumed = resumed_ids(cached)
         finished = set(so.finished_req_ids or ())
