@@ -128,23 +128,16 @@ def test_gate_with_real_configs() -> None:
     assert cache_config_from_vllm(**configs(kv_transfer_config=producer, scheduler_config=sync)) is not None
 
 
+def transfer(connector: str, role: str):
+    """The configs' change to a KV transfer config with this connector and role."""
+    return lambda: {"kv_transfer_config": KVTransferConfig(kv_connector=connector, kv_role=role)}
+
+
 REFUSED = {
-    "kv-consumer": (
-        lambda: {"kv_transfer_config": KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_consumer")},
-        "kv_role",
-    ),
-    "kv-both": (
-        lambda: {"kv_transfer_config": KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both")},
-        "kv_role",
-    ),
-    "kv-loading-connector": (
-        lambda: {"kv_transfer_config": KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_producer")},
-        "kv_transfer_config.kv_connector",
-    ),
-    "kv-producer-async-by-default": (
-        lambda: {"kv_transfer_config": KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_producer")},
-        "async_scheduling=False",
-    ),
+    "kv-consumer": (transfer("NixlConnector", "kv_consumer"), "kv_role"),
+    "kv-both": (transfer("NixlConnector", "kv_both"), "kv_role"),
+    "kv-loading-connector": (transfer("OffloadingConnector", "kv_producer"), "kv_transfer_config.kv_connector"),
+    "kv-producer-async-by-default": (transfer("NixlConnector", "kv_producer"), "async_scheduling=False"),
     "speculative": (
         lambda: {
             "speculative_config": SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_max=3)
