@@ -195,6 +195,46 @@ def test_close_wakes_a_save_waiting_for_device_budget() -> None:
         assert [type(exc) for exc in raised] == [CacheClosedError], raised
 
 
+def test_rows_the_engine_dropped_are_delivered_again() -> None:
+    # a's rows 0..6 are saved, but the engine dropped the output carrying row 6 (vLLM's
+    # drop_stale_output): a continued as new at 6 gets 6 again, not only what follows it.
+    with small_cache(policy=DEFERRED) as cache:
+        first = save(cache, [("a", [0, 1], 0, 6, 1)], new=[NewRequest("a", [0, 1])])
+        check(cache.materialize(first, ["a"]), "a", (1, 0, 6))
+        cache.discard(save(cache, [("a", [0, 1], 6, 1, 1)]))
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2], 6)], dropped={"a": 6}))
+        sid = cache.save(rows(2, 6, 3), {"codes": rows(2, 6, 3, width=2, dtype=torch.int64)},
+                         StepBatch(["a"], [3], slots_of([0, 1, 2], 6, 3, BS)))  # fmt: skip
+        check(cache.materialize(sid, ["a"]), "a", (2, 6, 3))
+        # Dropped below the point it resumes from: those rows come from the pool.
+        out = cache.materialize(
+            save(cache, [("a", [0, 1, 2], 9, 1, 3)], new=[NewRequest("a", [0, 1, 2], 9)]), ["a"]
+        )  # (nothing dropped: nothing returned twice)
+        check(out, "a", (3, 9, 1))
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2], 10)], dropped={"a": 4}))
+        sid = cache.save(rows(3, 10, 1), {"codes": rows(3, 10, 1, width=2, dtype=torch.int64)},
+                         StepBatch(["a"], [1], slots_of([0, 1, 2], 10, 1, BS)))  # fmt: skip
+        check(cache.materialize(sid, ["a"]), "a", (1, 4, 2), (2, 6, 3), (3, 9, 2))
+
+
+@pytest.mark.parametrize(
+    ("dropped", "message"),
+    [
+        ({"a": -1}, r"StepEvents.dropped\['a'\] must be a position \(an int >= 0\), got -1"),
+        ({"a": True}, r"must be a position \(an int >= 0\), got True"),
+        ({5: 1}, r"StepEvents.dropped holds request ids \(str, valid UTF-8\), got 5"),
+        (["a"], "StepEvents.dropped must map request ids to positions, got list"),
+    ],
+)
+def test_bad_dropped_positions_are_refused_changing_nothing(dropped, message) -> None:
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        cache.discard(cache.save(torch.ones(4, 2), {}, StepBatch(["a"], [4], np.arange(4))))
+        with pytest.raises(InvalidInputError, match=message):
+            cache.begin_step(StepEvents(new=[NewRequest("b", [1])], finished=["a"], dropped=dropped))
+        assert cache.stats().requests_live == 1 and cache.stats().misses == 1  # (b not registered, a not forgotten)
+
+
 def test_close_releases_the_device_clones_of_live_requests() -> None:
     # A live request's deferred rows wait on the device for its finish, which the cache will not
     # see after close: close releases them (the device budget back to zero, no open record),

@@ -616,6 +616,39 @@ def test_a_policy_loaded_after_init_is_the_caches_and_a_bad_one_is_refused() -> 
         runner.pcache_shutdown()
 
 
+def test_a_streaming_sessions_next_chunk_gets_the_row_vllm_dropped_under_async_scheduling() -> None:
+    # vLLM 0.33, async scheduling: the decode of position 6 is in flight when step 1's stop token
+    # ends the session's turn; the scheduler rewinds the request to 6, drops that step's output,
+    # and sends the next chunk (3 tokens) as a new request with the same id and 6 computed.
+    runner = Runner("scheduler", "inline")
+    assert runner.pcache_init(**stage_configs(T), is_last_pipeline_stage=True, tensor_parallel_rank=0)
+
+    def rows(tokens: list[int], start: int, count: int) -> torch.Tensor:  # (position, token) per row
+        return torch.tensor([[float(p), float(tokens[p])] for p in range(start, start + count)], dtype=torch.float64)
+
+    turn1, turn2 = [1, 2, 3, 4, 5, 6, 99], [1, 2, 3, 4, 5, 6, 50, 51, 52]
+    try:
+        s1 = so_of(new=[new_req("R", [1, 2])], counts={"R": 6})
+        runner.pcache_begin_step(s1)
+        got = [runner.pcache_materialize(runner.pcache_save(rows(turn1, 0, 6), {}, s1, ["R"]), ["R"]).hidden["R"]]
+        s2 = so_of(cached=cached([("R", None, 6)]), counts={"R": 1})
+        runner.pcache_begin_step(s2)
+        runner.pcache_materialize(runner.pcache_save(rows(turn1, 6, 1), {}, s2, ["R"]), ["R"])  # dropped by vLLM
+        s3 = so_of(new=[new_req("R", [1, 2, 3], 6)], counts={"R": 3})
+        runner.pcache_begin_step(s3)
+        got.append(runner.pcache_materialize(runner.pcache_save(rows(turn2, 6, 3), {}, s3, ["R"]), ["R"]).hidden["R"])
+        assert torch.equal(torch.cat(got), rows(turn2, 0, 9)), "every position once, 6 included"
+        # A preempted request sent again as new (V2) is no continuation: its rows past the
+        # resume point were delivered, and are not returned twice.
+        runner.pcache_begin_step(so_of(preempted_req_ids={"R"}))
+        s5 = so_of(new=[new_req("R", [1, 2, 3], 8)], counts={"R": 2})
+        runner.pcache_begin_step(s5)
+        out = runner.pcache_materialize(runner.pcache_save(rows([*turn2, 53], 8, 2), {}, s5, ["R"]), ["R"])
+        assert torch.equal(out.hidden["R"], rows([*turn2, 53], 9, 1)), "position 8 was delivered before"
+    finally:
+        runner.pcache_shutdown()
+
+
 def test_a_save_before_any_begin_step_is_refused() -> None:
     runner = Runner("scheduler", "inline")
     assert runner.pcache_init(**stage_configs(T), is_last_pipeline_stage=True, tensor_parallel_rank=0)

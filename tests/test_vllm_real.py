@@ -105,6 +105,55 @@ def test_real_scheduler_outputs_translate_to_the_expected_events() -> None:
     assert tracker.blocks("A") == [1, 2, 3, 13]
 
 
+def real_so(new=(), cached=(), counts=None, preempted=()):
+    """A real SchedulerOutput: ``new`` (req_id, prompt, blocks, computed), ``cached`` (req_id,
+    new blocks or None, computed)."""
+    counts = counts or {}
+    c = CachedRequestData(
+        req_ids=[x[0] for x in cached],
+        resumed_req_ids=set(),
+        new_token_ids=[],
+        all_token_ids={},
+        new_block_ids=[None if x[1] is None else (x[1],) for x in cached],
+        num_computed_tokens=[x[2] for x in cached],
+        num_output_tokens=[0 for _ in cached],
+    )
+    n = [
+        NewRequestData(
+            req_id=r, prompt_token_ids=p, mm_features=[], sampling_params=None, pooling_params=None,
+            block_ids=(b,), num_computed_tokens=nc, lora_request=None,
+        )
+        for r, p, b, nc in new
+    ]  # fmt: skip
+    return SchedulerOutput(
+        scheduled_new_reqs=n, scheduled_cached_reqs=c, num_scheduled_tokens=counts,
+        total_num_scheduled_tokens=sum(counts.values()), scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[],
+        preempted_req_ids=set(preempted),
+    )  # fmt: skip
+
+
+def test_a_real_streaming_sessions_next_chunk_reports_the_rewind_as_dropped() -> None:
+    # vLLM 0.33 with async scheduling: turn 1 ends on a stop token while position 6 is decoded;
+    # the scheduler rewinds R to 6 and sends the next chunk as a new request with the same id.
+    tracker = BlockTracker()
+    prompt = [1, 2, 3, 4, 5, 6]
+    for so in (
+        real_so(new=[("R", prompt, [1, 2], 0)], counts={"R": 6}),
+        real_so(cached=[("R", None, 6)], counts={"R": 1}),
+    ):
+        tracker.update(so)
+        assert step_events(so, tracker).dropped == {}
+    so = real_so(new=[("R", [*prompt, 50, 51, 52], [1, 2, 3], 6)], counts={"R": 3})
+    tracker.update(so)
+    assert step_events(so, tracker).dropped == {"R": 6}
+    # A preempted request sent again as new (the V2 runner's resume) is not a continuation.
+    tracker.update(real_so(preempted={"R"}))
+    so = real_so(new=[("R", [*prompt, 50, 51, 52], [1, 2, 3], 8)], counts={"R": 1})
+    tracker.update(so)
+    assert step_events(so, tracker).dropped == {}
+
+
 def test_real_block_copies_are_refused() -> None:
     tracker = BlockTracker()
     so = scheduler_output(REAL, Step())

@@ -237,9 +237,11 @@ class Deliveries:
         new_type: type,
         resumed_type: type,
         num_blocks: int,
+        dropped: dict[str, int],
     ) -> tuple[int, int, list[str]]:
-        """A step's events checked, then registered: ``finished`` forgotten, each new and
-        resumed request scheduled. Returns ``(hits, misses, reentered)`` (the live requests
+        """A step's events checked, then registered: ``finished`` forgotten, the ``dropped``
+        positions of live requests counted as not delivered, each new and resumed request
+        scheduled. Returns ``(hits, misses, reentered)`` (the live requests
         scheduled again). Raises `InvalidInputError` for the first problem, changing nothing."""
     def take_step(
         self, rows: dict[str, tuple[int, int]]

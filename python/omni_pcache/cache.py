@@ -224,8 +224,16 @@ class PrefixCache:
         finished = as_list(events.finished, "StepEvents.finished")
         new = as_list(events.new, "StepEvents.new")
         resumed = as_list(events.resumed, "StepEvents.resumed")
+        dropped = events.dropped
+        if type(dropped) is not dict:
+            try:
+                dropped = dict(dropped)
+            except (TypeError, ValueError):
+                raise InvalidInputError(
+                    f"StepEvents.dropped must map request ids to positions, got {type(dropped).__name__}"
+                ) from None
         hits, misses, reentered = self._delivery.begin(
-            finished, new, resumed, NewRequest, ResumedRequest, self._config.num_blocks
+            finished, new, resumed, NewRequest, ResumedRequest, self._config.num_blocks, dropped
         )
         self._requests_live = len(self._delivery)  # (for `stats` on any thread: `Deliveries` is the engine thread's)
         flushed = 0

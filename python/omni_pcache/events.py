@@ -3,8 +3,8 @@ back (`StepOutputs`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -33,11 +33,16 @@ class ResumedRequest:
 @dataclass(frozen=True, slots=True)
 class StepEvents:
     """What changed since the last step: new and resumed requests, and finished or aborted ids
-    (an aborted request is reported as finished)."""
+    (an aborted request is reported as finished). ``dropped`` maps a live request to the
+    position from which the rows saved for it never reached its consumer (the engine dropped
+    the output that carried them, as vLLM's ``drop_stale_output`` does when a streaming turn
+    ends with a step in flight): those positions are delivered again, from the pool below the
+    request's resume point, else when computed again."""
 
     new: Sequence[NewRequest] = ()
     resumed: Sequence[ResumedRequest] = ()
     finished: Sequence[str] = ()
+    dropped: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

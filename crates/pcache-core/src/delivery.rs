@@ -10,6 +10,11 @@
 //! - **continued** (a live id scheduled as new again, `num_computed_tokens` being what it
 //!   computed itself): not a hit; it gets exactly the rows it was not given yet.
 //!
+//! A save's rows count as delivered once taken. When the engine drops a saved output after all
+//! (vLLM's `drop_stale_output`: the step in flight when a streaming turn ends), the caller says
+//! from which position its rows never reached the consumer ([`Deliveries::undeliver_from`]),
+//! before the request is scheduled again.
+//!
 //! Each live request has `next_pos`, the position of the next row the engine will save for it.
 //! Engine thread only (`begin_step` and `save`); the binding holds it under its own borrow.
 
@@ -86,6 +91,20 @@ impl Deliveries {
     /// Forgets a finished or aborted request; whether it was live.
     pub fn finish(&mut self, req_id: &str) -> bool {
         self.live.remove(req_id).is_some()
+    }
+
+    /// The consumer of live request `req_id` never got its rows from `position` on (the engine
+    /// dropped the output that carried them): they count as not delivered, so a later
+    /// [`Deliveries::schedule`] reads those below its resume point from the pool and the rest are
+    /// returned when computed again. Returns whether the request is live (else nothing to do).
+    pub fn undeliver_from(&mut self, req_id: &str, position: usize) -> bool {
+        match self.live.get_mut(req_id) {
+            Some(state) => {
+                state.delivered = state.delivered.min(position);
+                true
+            }
+            None => false,
+        }
     }
 
     /// A request (re)enters with `num_computed` tokens computed under `blocks`: plans the pool
@@ -175,6 +194,34 @@ mod tests {
         );
         let (rows, _) = d.take_step([("b", 0, 2)]).unwrap();
         assert_eq!(rows[0].drop, 0, "b was not registered by the refused call");
+    }
+
+    #[test]
+    fn rows_the_engine_dropped_are_returned_again_when_recomputed() {
+        let mut d = Deliveries::new(4).unwrap();
+        d.take_step([("a", 0, 6)]).unwrap(); // the prompt, delivered
+        d.take_step([("a", 0, 1)]).unwrap(); // position 6, saved; its output is then dropped
+        assert!(d.undeliver_from("a", 6));
+        assert!(
+            !d.schedule("a", &[0, 1, 2], 6).unwrap(),
+            "nothing to read: 6 were delivered"
+        );
+        let (rows, reads) = d.take_step([("a", 0, 3)]).unwrap();
+        assert!(reads.is_empty());
+        assert_eq!(rows[0].drop, 0, "position 6 is returned again");
+        // Undelivered below the resume point: those rows come from the pool.
+        assert!(d.undeliver_from("a", 4));
+        assert!(d.schedule("a", &[0, 1, 2], 9).unwrap());
+        let (rows, reads) = d.take_step([("a", 0, 1)]).unwrap();
+        assert_eq!(reads, vec![(0, vec![4, 5, 6, 7, 8])]);
+        assert_eq!(rows[0].drop, 0);
+        assert!(!d.undeliver_from("b", 0), "not live: nothing to do");
+        assert!(
+            d.undeliver_from("a", 100),
+            "past what was delivered: no change"
+        );
+        let (rows, _) = d.take_step([("a", 0, 1)]).unwrap();
+        assert_eq!((rows[0].count, rows[0].drop), (1, 0));
     }
 
     #[test]

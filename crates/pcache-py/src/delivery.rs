@@ -120,8 +120,9 @@ impl Deliveries {
         self.inner.len()
     }
 
-    /// Checks a step's events, then registers them: the `finished` ids are forgotten, then each
-    /// `new` and `resumed` request (instances of `new_type` and `resumed_type`) is scheduled
+    /// Checks a step's events, then registers them: the `finished` ids are forgotten, the
+    /// `dropped` positions (`{req_id: position}`) of live requests count as not delivered, then
+    /// each `new` and `resumed` request (instances of `new_type` and `resumed_type`) is scheduled
     /// with its block table. A request that is not live (or finishes in these events) with
     /// `num_computed_tokens > 0` is a prefix hit and must cover whole blocks; a live one may
     /// have computed any count. Returns `(hits, misses, reentered)`: the new hits and misses,
@@ -136,11 +137,28 @@ impl Deliveries {
         new_type: &Bound<'_, PyType>,
         resumed_type: &Bound<'_, PyType>,
         num_blocks: u32,
+        dropped: &Bound<'_, PyDict>,
     ) -> PyResult<Begun> {
         let finished = finished
             .try_iter()?
             .map(|id| req_id_of(&id?, &"StepEvents.finished"))
             .collect::<PyResult<Vec<_>>>()?;
+        let mut undelivered = Vec::with_capacity(dropped.len());
+        for (key, position) in dropped.iter() {
+            let req_id = req_id_of(&key, &"StepEvents.dropped")?;
+            let position = position
+                .extract::<usize>()
+                .ok()
+                .filter(|_| !position.is_instance_of::<PyBool>())
+                .ok_or_else(|| {
+                    invalid_input(format!(
+                        "StepEvents.dropped[{}] must be a position (an int >= 0), got {}",
+                        repr_of(&key),
+                        repr_of(&position)
+                    ))
+                })?;
+            undelivered.push((req_id, position));
+        }
         let ending: HashSet<&str> = finished.iter().map(String::as_str).collect();
         let mut scheduled = Vec::new();
         let mut seen = HashSet::new();
@@ -166,6 +184,9 @@ impl Deliveries {
         }
         for req_id in &finished {
             self.inner.finish(req_id);
+        }
+        for (req_id, position) in &undelivered {
+            self.inner.undeliver_from(req_id, *position);
         }
         let (mut hits, mut misses, mut reentered) = (0, 0, Vec::new());
         for req in scheduled {

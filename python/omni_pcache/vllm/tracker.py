@@ -10,7 +10,8 @@ SchedulerOutput, in order, including steps with zero scheduled tokens):
 - ``preempted_req_ids`` lose their blocks (freed by the scheduler) but stay known until they
   come back or finish;
 - each ``scheduled_new_reqs`` entry sets its request's list to ``block_ids[0]``, also when the id
-  is already known (V2 sends resumed requests as new ones: the list is replaced);
+  is already known (V2 sends resumed requests as new ones: the list is replaced); a known id
+  that was not preempted is a streaming-input session's next chunk (`continued`);
 - each ``scheduled_cached_reqs`` entry appends ``new_block_ids[i][0]`` (``None`` = no new blocks),
   or replaces the list when the id is in ``resumed_req_ids``.
 
@@ -64,6 +65,9 @@ class BlockTracker:
 
     def __init__(self) -> None:
         self._blocks: dict[str, list[int] | None] = {}  # None: preempted, blocks freed
+        # The last update's new requests that were live and not preempted: a streaming-input
+        # session's next chunk (vLLM rewinds such a request to the rows its consumer got).
+        self.continued: set[str] = set()
 
     def update(self, scheduler_output: Any) -> Callable[[], None]:
         """Applies one SchedulerOutput (see the module doc for the rules). Returns a function
@@ -124,8 +128,12 @@ class BlockTracker:
             if req_id in blocks_of:
                 replaced.append((req_id, blocks_of[req_id]))
                 blocks_of[req_id] = None
+        continued = set()
         for req_id, blocks in new_lists:
-            replaced.append((req_id, blocks_of.get(req_id, _ABSENT)))
+            before = blocks_of.get(req_id, _ABSENT)
+            if before is not _ABSENT and before is not None:
+                continued.add(req_id)
+            replaced.append((req_id, before))
             blocks_of[req_id] = [] if blocks is None else blocks
         for req_id, new_ids in cached_lists:
             if req_id in resumed:
@@ -147,6 +155,7 @@ class BlockTracker:
                 else:
                     blocks_of[req_id] = before
 
+        self.continued = continued
         return undo
 
     def blocks(self, req_id: str) -> list[int]:

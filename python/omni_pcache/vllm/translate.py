@@ -43,6 +43,10 @@ def step_events(scheduler_output: Any, tracker: BlockTracker) -> StepEvents:
             if req_id in resumed
         ],
         finished=sorted(so.finished_req_ids or ()),
+        # A streaming session's next chunk: vLLM rewound it to the rows its consumer got and
+        # dropped the output of its step in flight (async scheduling), which the cache had
+        # counted as delivered (a no-op when nothing was dropped).
+        dropped={r.req_id: int(r.num_computed_tokens) for r in so.scheduled_new_reqs if r.req_id in tracker.continued},
     )
 
 
