@@ -4,7 +4,9 @@ The model is the pool as the engine sees it: for every slot, the row of its late
 (claimed at save; the newest tenant wins). Rules add new requests (hitting blocks that the
 model says were fully written since their last allocation, or missing), save steps of
 scheduled chunks (a request finishes when its last chunk is saved), abort requests, reuse
-freed blocks for new tenants, and materialize or discard outstanding step ids in any order.
+freed blocks for new tenants, rewind a running request within its last block as if the
+engine dropped its latest rows (sent again as new with `StepEvents.dropped`: those positions
+are returned again), and materialize or discard outstanding step ids in any order.
 With ``RESUME``, running requests are also preempted (their blocks freed, to be reused by
 others) and resumed with a new block table: a whole-block hit on their own blocks that are
 still fully written and not reused, on any other fully written blocks, or none (recompute).
@@ -129,6 +131,9 @@ class CacheMachine(RuleBasedStateMachine):
         self.m_live: dict[str, Req] = {}
         self.m_new: list[str] = []
         self.m_resumed: list[str] = []
+        # Running requests the engine rewound, dropping their saved rows from this position on
+        # (vLLM's drop_stale_output), sent again as new from it: StepEvents.dropped.
+        self.m_dropped: dict[str, int] = {}
         self.m_finished: list[str] = []
         self.m_outstanding: dict[int, SavedStep] = {}
         self.m_hits = self.m_misses = 0
@@ -152,7 +157,11 @@ class CacheMachine(RuleBasedStateMachine):
         return [
             r
             for r in self.m_live.values()
-            if r.scheduled and not r.preempted and r.num_done < r.num_tokens and r.req_id not in self.m_resumed
+            if r.scheduled
+            and not r.preempted
+            and r.num_done < r.num_tokens
+            and r.req_id not in self.m_resumed
+            and r.req_id not in self.m_dropped
         ]
 
     def _allocate(self, hits: list[int], fresh: list[int]) -> None:
@@ -190,6 +199,8 @@ class CacheMachine(RuleBasedStateMachine):
             self._release(req)
         if req_id in self.m_resumed:  # aborted before its resume reached the cache
             self.m_resumed.remove(req_id)
+        if self.m_dropped.pop(req_id, None) is not None:  # aborted before its continuation did
+            self.m_new.remove(req_id)
         self.m_finished.append(req_id)
 
     def _save(self, order: list[tuple[Req, int]], pad: int, omit: frozenset[str] = frozenset()) -> int:
@@ -197,11 +208,15 @@ class CacheMachine(RuleBasedStateMachine):
         the cached mm keys named in ``omit``."""
         step = self.step
         self.step += 1
-        new = [NewRequest(r, list(self.m_live[r].block_ids), self.m_live[r].num_hit_tokens) for r in self.m_new]
+        new = [
+            NewRequest(r, list(self.m_live[r].block_ids), self.m_dropped.get(r, self.m_live[r].num_hit_tokens))
+            for r in self.m_new
+        ]
         resumed = [ResumedRequest(r, list(self.m_live[r].block_ids), self.m_live[r].num_done) for r in self.m_resumed]
-        events = StepEvents(new=new, resumed=resumed, finished=list(self.m_finished))
-        self.m_hits += sum(1 for r in new if r.num_computed_tokens)
-        self.m_misses += sum(1 for r in new if not r.num_computed_tokens)
+        events = StepEvents(new=new, resumed=resumed, finished=list(self.m_finished), dropped=dict(self.m_dropped))
+        fresh = [r for r in new if r.req_id not in self.m_dropped]  # (a continuation is neither hit nor miss)
+        self.m_hits += sum(1 for r in fresh if r.num_computed_tokens)
+        self.m_misses += sum(1 for r in fresh if not r.num_computed_tokens)
         slots: list[int] = []
         rows: list[tuple[int, int, int]] = []
         for req, count in order:
@@ -251,6 +266,7 @@ class CacheMachine(RuleBasedStateMachine):
         )
         self.m_new.clear()
         self.m_resumed.clear()
+        self.m_dropped.clear()
         self.m_finished.clear()
         for req, _ in order:
             if req.num_done == req.num_tokens:  # prefill done: it finishes, reported next step
@@ -364,6 +380,23 @@ class CacheMachine(RuleBasedStateMachine):
         assert block in self.m_free
         self._add_request([], [block], data.draw(st.integers(1, BLOCK_SIZE), label="last_block_tokens"))
         self._save_pending()
+
+    @precondition(lambda self: len(self._pending()) < 3 and any(r.num_done > 0 for r in self._running()))
+    @rule(data=st.data())
+    def drop_and_continue(self, data: st.DataObject) -> None:
+        """The engine drops a running request's latest saved rows after all (vLLM's
+        drop_stale_output when a streaming turn ends with a step in flight) and sends it again as
+        new, rewound to a position at or below what it computed: its consumer never got the rows
+        from there, which must come again as they are recomputed (`StepEvents.dropped`)."""
+        req = data.draw(st.sampled_from(sorted((r for r in self._running() if r.num_done > 0), key=lambda r: r.writer)))
+        # (within its last block, as vLLM's rewind to the rows delivered: a full block before it
+        # may be another request's hit, whose rows are never recomputed)
+        at = data.draw(st.integers(req.num_done - req.num_done % BLOCK_SIZE, req.num_done), label="rewound_to")
+        req.num_done = at
+        req.delivered = min(req.delivered, at)
+        self.m_dropped[req.req_id] = at
+        self.m_new.append(req.req_id)
+        event("a running request rewound, its rows dropped, sent again as new")
 
     @precondition(lambda self: any(r.scheduled for r in self.m_live.values()))
     @rule(data=st.data())
