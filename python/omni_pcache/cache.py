@@ -58,7 +58,7 @@ from omni_pcache.row_arrays import own_copies
 from omni_pcache.snapshot import snapshot
 from omni_pcache.stats import CacheStats, Counters
 from omni_pcache.steps import StepPages
-from omni_pcache.validation import as_list, check_batch, check_timeout
+from omni_pcache.validation import as_list, as_position_map, check_batch, check_timeout
 from omni_pcache.writes import PoolWriter, StepWrite, batch_groups
 
 
@@ -224,14 +224,7 @@ class PrefixCache:
         finished = as_list(events.finished, "StepEvents.finished")
         new = as_list(events.new, "StepEvents.new")
         resumed = as_list(events.resumed, "StepEvents.resumed")
-        dropped = events.dropped
-        if type(dropped) is not dict:
-            try:
-                dropped = dict(dropped)
-            except (TypeError, ValueError):
-                raise InvalidInputError(
-                    f"StepEvents.dropped must map request ids to positions, got {type(dropped).__name__}"
-                ) from None
+        dropped = as_position_map(events.dropped, "StepEvents.dropped")
         hits, misses, reentered = self._delivery.begin(
             finished, new, resumed, NewRequest, ResumedRequest, self._config.num_blocks, dropped
         )

@@ -45,6 +45,18 @@ def as_list(value: object, what: str) -> list:
         raise InvalidInputError(f"{what} must be a sequence, got {type(value).__name__}") from None
 
 
+def as_position_map(value: object, what: str) -> dict:
+    """``value`` (request id -> position) as a dict: a dict as it is, any other mapping (or
+    iterable of pairs) copied into one; anything else raises `InvalidInputError` naming
+    ``what``. The ids and positions themselves are checked natively (`Deliveries.begin`)."""
+    if type(value) is dict:
+        return value
+    try:
+        return dict(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise InvalidInputError(f"{what} must map request ids to positions, got {type(value).__name__}") from None
+
+
 def check_timeout(timeout_s: object, what: str) -> None:
     """Refuses a timeout that is not ``None`` or a finite real number of seconds >= 0 (numpy
     scalars included; bools, NaN and infinity refused) with `InvalidInputError`."""
