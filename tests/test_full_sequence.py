@@ -237,16 +237,17 @@ def test_bad_dropped_positions_are_refused_changing_nothing(dropped, message) ->
 
 def test_close_releases_the_device_clones_of_live_requests() -> None:
     # A live request's deferred rows wait on the device for its finish, which the cache will not
-    # see after close: close releases them (the device budget back to zero, no open record),
-    # and a save after it is refused.
+    # see after close: close releases them (the device budget back to zero, no open record, no
+    # write task left pending), and a save after it is refused.
     cache = small_cache(policy=DEFERRED)
     check(cache.materialize(save(cache, [("a", [0], 0, 4, 1)], new=[NewRequest("a", [0])]), ["a"]), "a", (1, 0, 4))
     check(cache.materialize(save(cache, [("a", [0, 1], 4, 2, 1)]), ["a"]), "a", (1, 4, 2))
+    cache.flush()  # (the hidden rows: only the deferred record's task is left)
     stats = cache.stats()
-    assert stats.device_bytes == 6 * 2 * 8 and stats.deferred_open == 1, stats
+    assert (stats.device_bytes, stats.deferred_open, stats.tasks_live) == (6 * 2 * 8, 1, 1), stats
     cache.close()
     stats = cache.stats()
-    assert stats.device_bytes == 0 and stats.deferred_open == 0, stats
+    assert (stats.device_bytes, stats.deferred_open, stats.tasks_live) == (0, 0, 0), stats
     with pytest.raises(CacheClosedError):
         save(cache, [("a", [0, 1], 6, 1, 1)])
 

@@ -179,8 +179,8 @@ class PrefixCache:
     def close(self) -> None:
         """Writes what is queued, stops the committer and wakes every waiter. Idempotent.
         Deferred rows of live requests are not queued (they would be at their requests' finish,
-        which the cache will not see now): their device clones are released, so the device
-        budget is back to zero."""
+        which the cache will not see now): their device clones are released and their write
+        tasks failed and forgotten, so the device budget and ``tasks_live`` are back to zero."""
         if self._closed:
             return
         self._closed = True
@@ -188,7 +188,10 @@ class PrefixCache:
         self._finalizer()  # stops the committer once
         self._staging.close()
         with self._cond:
-            self._deferred.drop_open()
+            for task_id in self._deferred.drop_open():
+                self._tasks.fail(task_id)
+                self._tasks.remove(task_id)
+                self._records.pop(task_id, None)
             self._cond.notify_all()
 
     def _failure_or_none(self) -> WriteFailedError | None:

@@ -351,13 +351,16 @@ class DeferredWrites:
         self.open.clear()
         self.budget.wake()
 
-    def drop_open(self) -> None:
+    def drop_open(self) -> list[int]:
         """At close, after the committer stopped (ledger lock held): releases the open records'
         holds on their clones (uncharging the budget) and forgets them, as `drop_all` does; no
-        record is opened or extended after it."""
+        record is opened or extended after it. Returns their write tasks (still PENDING: the
+        cache fails and forgets them, since nothing will write them)."""
+        task_ids = [record.task_id for record in self.open.values()]
         for record in self.open.values():
             record.release()
         self.drop_all()
+        return task_ids
 
     def discard_clones(self, clones: dict[str, Clone]) -> None:
         """A save refused after `clone_step`, before any record took a view of its clones:
