@@ -348,20 +348,22 @@ def test_tracker_appends_replaces_and_forgets() -> None:
 
 def test_tracker_undo_restores_every_kind_of_change() -> None:
     t = BlockTracker()
-    t.update(so_of(new=[new_req("a", [1]), new_req("b", [2]), new_req("c", [3]), new_req("d", [4])]))
-    t.update(so_of(preempted_req_ids={"d"}))
+    t.update(so_of(new=[new_req(r, [b]) for r, b in zip("abcdfg", [1, 2, 3, 4, 11, 12], strict=True)]))
+    t.update(so_of(preempted_req_ids={"d"}, new=[new_req("f", [11])]))  # f: a streaming session's next chunk
     before = {r: None if b is None else list(b) for r, b in t._blocks.items()}
+    assert t.continued == {"f"}
     undo = t.update(
         so_of(
             finished={"a", "gone"},  # a: finished and resubmitted with its id in the same output
-            new=[new_req("a", [5, 6]), new_req("e", [7])],
+            new=[new_req("a", [5, 6]), new_req("e", [7]), new_req("g", [12])],
             preempted_req_ids={"b"},
             cached=cached([("c", [8, 9], 4), ("d", [10], 0)], resumed={"d"}),
         )
     )
     assert t.blocks("a") == [5, 6] and t.blocks("c") == [3, 8, 9] and t.blocks("d") == [10] and "e" in t
+    assert t.continued == {"g"}
     undo()
-    assert t._blocks == before
+    assert t._blocks == before and t.continued == {"f"}
 
 
 def test_tracker_reads_an_older_vllms_per_entry_resume_flags() -> None:

@@ -72,7 +72,8 @@ class BlockTracker:
     def update(self, scheduler_output: Any) -> Callable[[], None]:
         """Applies one SchedulerOutput (see the module doc for the rules). Returns a function
         that undoes it, valid until the next `update` (what each request had before: the
-        replaced or forgotten lists themselves, and each extended list's former length)."""
+        replaced or forgotten lists themselves, and each extended list's former length; and
+        `continued` as it was)."""
         so = scheduler_output
         if getattr(so, "kv_cache_block_copies", None):
             copies = list(so.kv_cache_block_copies)
@@ -117,6 +118,7 @@ class BlockTracker:
                     "every SchedulerOutput must reach pcache_begin_step, in order"
                 )
         blocks_of = self._blocks
+        continued_before = self.continued
         # What each changed request had before, oldest first: (req_id, its entry or _ABSENT) for
         # an entry replaced or removed; (the list, its former length) for a list extended in place.
         replaced: list[tuple[str, Any]] = []
@@ -154,6 +156,7 @@ class BlockTracker:
                     blocks_of.pop(req_id, None)
                 else:
                     blocks_of[req_id] = before
+            self.continued = continued_before
 
         self.continued = continued
         return undo
