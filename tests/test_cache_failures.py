@@ -232,6 +232,7 @@ def test_a_write_by_save_refused_in_its_native_call_is_sticky_and_releases_every
             cache.materialize(sid, ["a", "b"])
         stats = cache.stats()
         assert stats.staging_holders == [[], []], "every staging page released"
+        assert (stats.steps_outstanding, stats.reads_pending) == ([], 0), "its step holds nothing"
         assert sorted(cache._tasks.states()) == [(0, "FAILED")]
 
 
@@ -320,9 +321,10 @@ def test_a_save_that_queues_its_rows_while_close_runs_still_has_them_written() -
 
 
 def test_a_committer_failure_while_begin_step_flushes_a_finished_requests_deferred_rows_is_the_sticky_error() -> None:
-    # The failure drops every open deferred record (on the committer thread) between
-    # begin_step's escalation of a finished request's record and its queueing: begin_step
-    # raises the failure (before: a raw KeyError from the record already dropped).
+    # The failure drops every open deferred record (on the committer thread) after begin_step
+    # registered a finished request and before it queues that request's record: begin_step
+    # raises the failure (before: a raw KeyError from the record already dropped). The failure
+    # cannot land between the record's escalation and its queueing: both hold the ledger lock.
     cache = small_cache(inline_write_bytes=0, policy=CachePolicy(token_keys={"codes"}, deferred_keys={"codes"}))
     failing, failed = threading.Event(), threading.Event()
 
@@ -333,14 +335,73 @@ def test_a_committer_failure_while_begin_step_flushes_a_finished_requests_deferr
     cache._writer.write_batch = fail_write
     release = cache._release_after_failure
     cache._release_after_failure = lambda: (release(), failed.set())
-    cache._deferred._tasks = _PausingTasks(cache._deferred._tasks, "escalate", lambda: (failing.set(), failed.wait(10)))
+    finish = cache._deferred.finish
+    cache._deferred.finish = lambda req_id: (failing.set(), failed.wait(10), finish(req_id))[-1]
     cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
     cache.save(torch.ones(8, 2), {"codes": torch.ones(8, 3)}, StepBatch(["a"], [8], np.arange(8)))
     with pytest.raises(WriteFailedError, match="injected: pool write failed"):
         cache.begin_step(StepEvents(finished=["a"]))
+    assert failed.is_set()
     with pytest.raises(WriteFailedError):
         cache.flush()
     cache.close()
+    stats = cache.stats()
+    assert (stats.device_bytes, stats.deferred_open) == (0, 0), stats
+
+
+def _deferred_cache_with_an_open_record():
+    """A cache whose live request "a" holds an open deferred record of 8 rows of "codes"."""
+    cache = small_cache(inline_write_bytes=0, policy=CachePolicy(token_keys={"codes"}, deferred_keys={"codes"}))
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+    cache.discard(cache.save(torch.ones(8, 2), {"codes": torch.ones(8, 3)}, StepBatch(["a"], [8], np.arange(8))))
+    cache.flush()
+    stats = cache.stats()
+    assert (stats.deferred_open, stats.device_bytes, stats.tasks_live) == (1, 8 * 3 * 4, 1), stats
+    return cache
+
+
+def test_close_on_another_thread_before_begin_step_flushes_a_finished_requests_record() -> None:
+    # close() forgets the open record (failing its task) after begin_step registered "a" as
+    # finished and before it queues a's record: begin_step raises CacheClosedError (before: it
+    # went on as if the record had been queued; in other interleavings close raised a raw
+    # RuntimeError from the open records changing under it, leaving the rest charged, or
+    # begin_step an InvalidInputError for the task close had removed).
+    cache = _deferred_cache_with_an_open_record()
+    at_finish, closed = threading.Event(), threading.Event()
+    finish = cache._deferred.finish
+    cache._deferred.finish = lambda req_id: (at_finish.set(), closed.wait(10), finish(req_id))[-1]
+    engine, errors = start_thread(cache.begin_step, StepEvents(finished=["a"]))
+    assert at_finish.wait(10)
+    cache.close()
+    closed.set()
+    engine.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], CacheClosedError), errors
+    stats = cache.stats()
+    assert (stats.device_bytes, stats.deferred_open, stats.tasks_live) == (0, 0, 0), stats
+
+
+def test_close_on_another_thread_while_begin_step_queues_a_finished_requests_record() -> None:
+    # close() comes while begin_step holds the ledger lock to escalate and queue a's record:
+    # close waits for it, so the record is queued whole, and written by begin_step itself (the
+    # committer has stopped); close then finds no open record. Nothing is left held.
+    cache = _deferred_cache_with_an_open_record()
+    closing = threading.Event()
+    close_budget = cache._deferred.budget.close
+    cache._deferred.budget.close = lambda: (close_budget(), closing.set())  # (close's first step)
+    closer: list[threading.Thread] = []
+
+    def close_meanwhile() -> None:
+        closer.append(start_thread(cache.close)[0])
+        assert closing.wait(10)
+        time.sleep(0.05)  # (lets close reach the ledger lock, held here; the test passes either way)
+
+    cache._deferred._tasks = _PausingTasks(cache._deferred._tasks, "escalate", close_meanwhile)
+    cache.begin_step(StepEvents(finished=["a"]))
+    closer[0].join(10)
+    assert not closer[0].is_alive()
+    stats = cache.stats()
+    assert (stats.device_bytes, stats.deferred_open, stats.tasks_live) == (0, 0, 0), stats
+    assert stats.bytes_written["codes"] == 8 * 3 * 4, "a's rows written when queued"
 
 
 def test_a_write_not_in_the_pool_in_time_is_a_timeout_naming_each_stuck_task() -> None:
@@ -407,3 +468,26 @@ def test_a_write_failure_releases_the_hit_reads_of_outstanding_steps() -> None:
         cache.flush()
     assert cache.stats().reads_pending == 0
     cache.close()
+
+
+def test_a_failure_between_a_saves_claims_and_its_queueing_leaves_no_step_or_read_held() -> None:
+    # The committer fails after save claimed its rows and before it plans its hit and records
+    # its step: save raises the failure, and the step id it never returned is not outstanding,
+    # nor is the hit read it would have planned (before: steps_outstanding [its id], reads_pending 1).
+    with small_cache(inline_write_bytes=0) as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        cache.discard(cache.save(torch.ones(8, 2), {}, StepBatch(["a"], [8], np.arange(8))))
+        cache.flush()
+        claim = cache._claims.claim
+
+        def claim_then_the_committer_fails(*args):
+            out = claim(*args)
+            cache._on_write_failure(out[0][0], RuntimeError("injected: pool write failed"))
+            return out
+
+        cache._claims.claim = claim_then_the_committer_fails
+        cache.begin_step(StepEvents(new=[NewRequest("b", [0, 2], 4)]))
+        with pytest.raises(WriteFailedError, match="injected: pool write failed"):
+            cache.save(torch.zeros(1, 2), {}, StepBatch(["b"], [1], np.array([8])))
+        stats = cache.stats()
+        assert (stats.steps_outstanding, stats.reads_pending) == ([], 0), stats

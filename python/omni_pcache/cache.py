@@ -114,7 +114,12 @@ class PrefixCache:
         )
         self._outputs = OutputBuilder(self._reader, self._copies, self._counters, config.claim_timeout_s)
         self._deferred = DeferredWrites(
-            config, self._tasks, lambda: self._committer.notify(1), self._counters.waited, self._failure_or_none
+            config,
+            self._tasks,
+            lambda: self._committer.notify(1),
+            self._counters.waited,
+            self._failure_or_none,
+            self._cond,
         )
         # Every task not yet forgotten (`_reap_completions`) -> the record holding it; a step's
         # immediate tasks share one `StepWrite`.
@@ -245,7 +250,7 @@ class PrefixCache:
                     flushed += self._deferred.finish(req_id)
             for req_id in reentered:
                 flushed += self._deferred.close_open(req_id)
-        except TaskStateError:  # a task the committer's failure failed meanwhile
+        except (TaskStateError, CacheClosedError):  # a failure or close (another thread) meanwhile
             raise self._closed_error("the cache is closed") from None
         if flushed:
             self._committer.notify(flushed)
@@ -318,7 +323,7 @@ class PrefixCache:
         if deferred and self._deferred.open:  # (a request's open record holds one key set)
             try:
                 flushed = self._deferred.close_other_keys(shape.claim_req_ids, deferred)
-            except TaskStateError:  # a record the committer's failure failed meanwhile
+            except (TaskStateError, CacheClosedError):  # a failure or close (another thread) meanwhile
                 self._deferred.discard_clones(clones)
                 self._abandon_save(step_id, page, handle)
                 raise self._closed_error("the cache was closed during save") from None
@@ -338,18 +343,29 @@ class PrefixCache:
                 self._abandon_save(step_id, page, handle)
                 raise self._closed_error("the cache was closed during save") from None
             self._claims.keep_aside(from_pool, from_deferred)  # (before this step's rows overwrite them)
-            if now and task_ids:
-                self._write_step_now(step_id, page, shape, immediate, task_ids, arrays)
+            own_write_failed = (
+                now and bool(task_ids) and self._write_step_now(step_id, page, shape, immediate, task_ids, arrays)
+            )
         finally:
             if now:
                 self._committer.release_writer()
         with self._cond:
-            rows, reads = self._delivery.take_step(shape.rows)
-            hits: dict[str, HitRead] = {req: self._reader.plan(req, read, specs) for req, read in reads.items()}
-            self._steps.records[step_id] = StepRecord(
-                step_id, page, handle, shape.n, shape.n_padded, rows, list(cached), hits, kept_leftover, clones,
-                sources, staged, threading.get_ident(), self._copies.epoch, keys.max_row_bytes, arrays is not None,
-            )  # fmt: skip
+            # (a failure since the claims released every step's reads and pages: this step must
+            # not plan reads or hold its id; save raises it, unless it is this save's own write's,
+            # raised by the next call)
+            failure = self._failure
+            if failure is None:
+                rows, reads = self._delivery.take_step(shape.rows)
+                hits: dict[str, HitRead] = {req: self._reader.plan(req, read, specs) for req, read in reads.items()}
+                self._steps.records[step_id] = StepRecord(
+                    step_id, page, handle, shape.n, shape.n_padded, rows, list(cached), hits, kept_leftover, clones,
+                    sources, staged, threading.get_ident(), self._copies.epoch, keys.max_row_bytes, arrays is not None,
+                )  # fmt: skip
+        if failure is not None:
+            self._abandon_save(step_id, page, handle)
+            if own_write_failed:
+                return step_id
+            raise failure
         if now:
             return step_id
         try:
@@ -389,13 +405,15 @@ class PrefixCache:
 
     def _write_step_now(
         self, step_id: int, page: int, shape, immediate: list, task_ids: list[int], arrays: dict | None
-    ) -> None:
+    ) -> bool:
         """Writes the step's one new task (all its rows) to the pool on the engine thread,
         holding the writer's lock (one native call: `PoolWriter.write_step_now`), from the step's
         own copies' ``arrays`` (else from the staging page). Its hits are
         planned after it, so they read these rows from the pool; nothing else can name the task
-        yet, so it is not recorded. Its own failure is made sticky, as the committer's are, and raised by the next
-        call; a write refused because the cache failed meanwhile raises that failure now."""
+        yet, so it is not recorded. Its own failure is made sticky, as the committer's are, and
+        raised by the next call: returns True then (save returns the step id, which holds
+        nothing); a write refused because the cache failed meanwhile returns False (save raises
+        that failure)."""
         try:
             self._writer.write_step_now(page, immediate, task_ids, [0], arrays)  # (one task: its rows from row 0)
         except BaseException as exc:
@@ -403,8 +421,8 @@ class PrefixCache:
             reqs = shape.claim_req_ids  # (the one task holds every request's rows)
             what = f"request {reqs[0]!r}" if len(reqs) == 1 else f"requests {reqs[0]!r} to {reqs[-1]!r} ({len(reqs)})"
             self._on_write_failure(task_ids[0], exc, f"{what}, step {step_id}")
-            if failed_before:
-                raise self._closed_error("the cache was closed during save") from None
+            return not failed_before
+        return False
 
     # ---- committer thread --------------------------------------------------------------
 

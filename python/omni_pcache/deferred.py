@@ -254,14 +254,17 @@ class DeferredRecord:
 class DeferredWrites:
     """The open deferred records of live requests and the device budget they share.
 
-    Engine thread only (the committer releases clones through `Clone.release`). Opening,
-    extending and flushing records happens here; claiming their slots stays with the cache,
-    under its ledger lock.
+    Engine thread (the committer releases clones through `Clone.release`), except `drop_all`
+    and `drop_open` (a failure or close, on any thread). Opening and extending records happens
+    in the cache's claims, under its ledger lock; flushing them here takes that ``lock`` too,
+    so a close or failure on another thread, which forgets every open record under it, never
+    meets one half flushed: once `failed` is set, a flush raises `CacheClosedError`.
     """
 
-    def __init__(self, config, tasks, notify, waited, failure) -> None:
+    def __init__(self, config, tasks, notify, waited, failure, lock) -> None:
         self._config = config
         self._tasks = tasks
+        self._lock = lock  # the cache's ledger lock (a Condition)
         self._notify = notify  # wakes the committer for one queued task
         self._waited = waited  # records a blocking wait in the stats
         self._failure = failure  # the sticky write failure, if any
@@ -300,10 +303,14 @@ class DeferredWrites:
             self.budget.charge(sum(clone.nbytes for clone in clones.values()))
         return clones
 
-    def flush(self, record: DeferredRecord) -> None:
-        """Queues an open record for writing. (A committer failure may have dropped every open
-        record meanwhile, `drop_all`, and failed its task: the enqueue then raises
-        `TaskStateError`, which the cache turns into the sticky failure.)"""
+    def _check_open(self) -> None:
+        """Raises `CacheClosedError` once a failure or close forgot the open records (`failed`:
+        their tasks are failed or gone); ledger lock held."""
+        if self.failed:
+            raise CacheClosedError("the cache failed or closed: its open deferred rows are not written")
+
+    def _flush(self, record: DeferredRecord) -> None:
+        """Queues an open record for writing (ledger lock held; `_check_open` done)."""
         self.open.pop(record.req_id, None)
         record.flushed = True
         self._tasks.enqueue(record.task_id)
@@ -313,10 +320,12 @@ class DeferredWrites:
         it saved before, reclaiming their slots: its open record is queued now, so those claims
         belong to a new record and a read that captured the old rows gets them preserved (a
         record reclaiming its own slot would not). Returns how many tasks were queued (0 or 1)."""
-        record = self.open.get(req_id)
-        if record is None:
-            return 0
-        self.flush(record)
+        with self._lock:
+            self._check_open()
+            record = self.open.get(req_id)
+            if record is None:
+                return 0
+            self._flush(record)
         return 1
 
     def close_other_keys(self, req_ids: list[str], keys: tuple[KeySpec, ...]) -> int:
@@ -325,28 +334,32 @@ class DeferredWrites:
         earlier steps), so the step's rows open a new record with its own keys: a record
         extends every key it holds with each step's rows. Returns how many tasks were queued."""
         flushed = 0
-        for req_id in req_ids:
-            record = self.open.get(req_id)
-            if record is not None and record.keys != keys and set(record.keys) != set(keys):
-                self.flush(record)
-                flushed += 1
+        with self._lock:
+            self._check_open()
+            for req_id in req_ids:
+                record = self.open.get(req_id)
+                if record is not None and record.keys != keys and set(record.keys) != set(keys):
+                    self._flush(record)
+                    flushed += 1
         return flushed
 
     def finish(self, req_id: str) -> int:
         """The request finished or aborted: its open record goes to the front of the queue.
         Returns how many tasks were queued (0 or 1)."""
-        record = self.open.get(req_id)
-        if record is None:
-            return 0
-        self._tasks.escalate(record.task_id)  # PENDING: flagged, queued at the front
-        self.flush(record)
+        with self._lock:
+            self._check_open()
+            record = self.open.get(req_id)
+            if record is None:
+                return 0
+            self._tasks.escalate(record.task_id)  # PENDING: flagged, queued at the front
+            self._flush(record)
         return 1
 
     def drop_all(self) -> None:
-        """After a failure (the failing thread, often the committer: the one call here not on
-        the engine thread; ledger lock held): forget open records (their clones are released by
-        the cache), and refuse new ones (`failed`: a save racing the failure must not open a
-        record nobody will write or release)."""
+        """After a failure (the failing thread, often the committer; ledger lock held): forget
+        open records (their clones are released by the cache), and refuse new ones and flushes
+        (`failed`: a save racing the failure must not open a record nobody will write or
+        release)."""
         self.failed = True
         self.open.clear()
         self.budget.wake()
@@ -375,10 +388,14 @@ class DeferredWrites:
         overflow = self.budget.used + need - self.budget.limit
         freed = 0
         counted: set[int] = set()
-        for record in sorted(self.open.values(), key=lambda r: (r.step_id, r.task_id)):
+        with self._lock:
+            oldest_first = sorted(self.open.values(), key=lambda r: (r.step_id, r.task_id))
+        for record in oldest_first:
             if freed >= overflow:
                 break
-            self.flush(record)
+            with self._lock:
+                self._check_open()
+                self._flush(record)
             self._notify()
             for chunks in record.chunks.values():
                 for clone, _, _ in chunks:
