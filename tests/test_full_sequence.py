@@ -224,6 +224,8 @@ def test_rows_the_engine_dropped_are_delivered_again() -> None:
         ({"a": True}, r"must be a position \(an int >= 0\), got True"),
         ({5: 1}, r"StepEvents.dropped holds request ids \(str, valid UTF-8\), got 5"),
         (["a"], "StepEvents.dropped must map request ids to positions, got list"),
+        ({"a": 2}, r"StepEvents.dropped names request 'a', which is not live \(never scheduled, or finished\)"),
+        ({"b": 0}, r"StepEvents.dropped names request 'b', which is not live"),
     ],
 )
 def test_bad_dropped_positions_are_refused_changing_nothing(dropped, message) -> None:
@@ -233,6 +235,21 @@ def test_bad_dropped_positions_are_refused_changing_nothing(dropped, message) ->
         with pytest.raises(InvalidInputError, match=message):
             cache.begin_step(StepEvents(new=[NewRequest("b", [1])], finished=["a"], dropped=dropped))
         assert cache.stats().requests_live == 1 and cache.stats().misses == 1  # (b not registered, a not forgotten)
+
+
+def test_dropped_rows_of_a_request_not_scheduled_again_are_refused_changing_nothing() -> None:
+    # Dropped rows are delivered again when the request is scheduled again (new or resumed) in
+    # the same events; a running request's would never be: refused, not silently lost.
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        first = cache.materialize(cache.save(rows(1, 0, 4), {}, StepBatch(["a"], [4], np.arange(4))), ["a"])
+        assert torch.equal(first.hidden["a"], rows(1, 0, 4))
+        with pytest.raises(InvalidInputError, match="which these events do not schedule again"):
+            cache.begin_step(StepEvents(new=[NewRequest("b", [1])], dropped={"a": 2}))
+        assert cache.stats().requests_live == 1  # (b not registered)
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1], 4)], dropped={"a": 2}))  # (sent again)
+        sid = cache.save(rows(2, 4, 1), {}, StepBatch(["a"], [1], slots_of([0, 1], 4, 1, BS)))
+        assert torch.equal(cache.materialize(sid, ["a"]).hidden["a"], spans((1, 2, 2), (2, 4, 1)))
 
 
 def test_close_releases_the_device_clones_of_live_requests() -> None:

@@ -37,7 +37,9 @@ class StepEvents:
     position from which the rows saved for it never reached its consumer (the engine dropped
     the output that carried them, as vLLM's ``drop_stale_output`` does when a streaming turn
     ends with a step in flight): those positions are delivered again, from the pool below the
-    request's resume point, else when computed again."""
+    request's resume point, else when computed again. The request must be scheduled again in
+    the same events (``new`` or ``resumed``); ``begin_step`` refuses a dropped entry for one
+    that is not, or that is not live."""
 
     new: Sequence[NewRequest] = ()
     resumed: Sequence[ResumedRequest] = ()

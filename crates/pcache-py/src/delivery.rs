@@ -121,7 +121,8 @@ impl Deliveries {
     }
 
     /// Checks a step's events, then registers them: the `finished` ids are forgotten, the
-    /// `dropped` positions (`{req_id: position}`) of live requests count as not delivered, then
+    /// `dropped` positions (`{req_id: position}`) of live requests scheduled again in these
+    /// events (new or resumed; else refused) count as not delivered, then
     /// each `new` and `resumed` request (instances of `new_type` and `resumed_type`) is scheduled
     /// with its block table. A request that is not live (or finishes in these events) with
     /// `num_computed_tokens > 0` is a prefix hit and must cover whole blocks; a live one may
@@ -157,7 +158,7 @@ impl Deliveries {
                         repr_of(&position)
                     ))
                 })?;
-            undelivered.push((req_id, position));
+            undelivered.push((req_id, position, key));
         }
         let ending: HashSet<&str> = finished.iter().map(String::as_str).collect();
         let mut scheduled = Vec::new();
@@ -182,10 +183,23 @@ impl Deliveries {
                 scheduled.push(checked);
             }
         }
+        for (req_id, _, key) in &undelivered {
+            let not = if ending.contains(req_id.as_str()) || !self.inner.is_live(req_id) {
+                "is not live (never scheduled, or finished): no rows saved for it were dropped"
+            } else if !seen.contains(req_id) {
+                "these events do not schedule again (new or resumed): its dropped rows would never be delivered"
+            } else {
+                continue;
+            };
+            return Err(invalid_input(format!(
+                "StepEvents.dropped names request {}, which {not}",
+                repr_of(key)
+            )));
+        }
         for req_id in &finished {
             self.inner.finish(req_id);
         }
-        for (req_id, position) in &undelivered {
+        for (req_id, position, _) in &undelivered {
             self.inner.undeliver_from(req_id, *position);
         }
         let (mut hits, mut misses, mut reentered) = (0, 0, Vec::new());
