@@ -438,3 +438,84 @@ def test_a_step_with_no_scheduled_tokens_is_saved_and_consumed(threaded: bool) -
         assert out.hidden == {} and out.mm == {}
         settle(cache)
         assert cache.stats().steps_outstanding == []
+
+
+def run_until_closed(seed: int, deferred: bool) -> tuple[PrefixCache, Counter[str], list[BaseException]]:
+    """The engine and its one-step-late reader run until a third thread closes the cache at a
+    random moment (after 5 to 60 saved steps, then 0 to 2 ms). Every call cut short must raise
+    `CacheClosedError`; every step read before it must have its rows. Returns the cache, the
+    counts and whatever else any thread raised."""
+    from omni_pcache import CacheClosedError
+
+    rng = random.Random(seed)
+    engine = TinyEngine(rng)
+    config = CacheConfig(
+        NUM_BLOCKS, BLOCK_SIZE, staging_depth=3, staging_capacity_tokens=TOKEN_BUDGET, claim_timeout_s=20.0
+    )
+    keys = frozenset({"who", "codes"})
+    policy = CachePolicy(token_keys=keys, deferred_keys=frozenset({"codes"}) if deferred else frozenset())
+    cache = PrefixCache(config, policy)
+    handoff: queue.Queue[SavedStep | None] = queue.Queue()
+    errors: list[BaseException] = []
+    counts: Counter[str] = Counter()
+    close_after = rng.randint(5, 60)
+    time_to_close = threading.Event()
+
+    def close_later() -> None:
+        time_to_close.wait(60)
+        time.sleep(rng.random() * 0.002)
+        try:
+            cache.close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    def consume() -> None:
+        while (item := handoff.get()) is not None:
+            try:
+                if item.discard:
+                    cache.discard(item.step_id)
+                else:
+                    counts["rows"] += check_outputs(cache, item)
+            except CacheClosedError:
+                counts["cut_short"] += 1
+            except BaseException as exc:
+                errors.append(exc)
+
+    threads = [threading.Thread(target=close_later, daemon=True), threading.Thread(target=consume, daemon=True)]
+    for thread in threads:
+        thread.start()
+    try:
+        step = 0
+        while engine.counts["saved"] < 200:
+            events, batch, hidden, mm, req_ids, expected = engine.step(step)
+            step += 1
+            cache.begin_step(events)
+            if req_ids:
+                step_id = cache.save(hidden, mm, batch)
+                engine.counts["saved"] += 1
+                handoff.put(SavedStep(step_id, step - 1, req_ids, expected, rng.random() < 0.04))
+                if engine.counts["saved"] == close_after:
+                    time_to_close.set()
+    except CacheClosedError:
+        counts["engine_closed"] += 1
+    except BaseException as exc:
+        errors.append(exc)
+    finally:
+        time_to_close.set()
+        handoff.put(None)
+        for thread in threads:
+            thread.join(60)
+    assert not any(thread.is_alive() for thread in threads), "a thread is stuck"
+    return cache, counts, errors
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["immediate", "deferred-codes"])
+@pytest.mark.parametrize("seed", range(6))
+def test_close_at_a_random_moment_cuts_calls_short_cleanly_and_releases_everything(
+    busy_switching, seed: int, deferred: bool
+) -> None:
+    cache, counts, errors = run_until_closed(seed, deferred)
+    assert not errors, errors
+    assert counts["engine_closed"] == 1, counts
+    stats = cache.stats()
+    assert (stats.device_bytes, stats.deferred_open, stats.tasks_live) == (0, 0, 0), stats
