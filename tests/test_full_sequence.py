@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from cachekit import describe, rows, slots_of, small_cache
+from cachekit import describe, rows, slots_of, small_cache, start_thread
 from omni_pcache import (
     CacheClosedError,
     CachePolicy,
@@ -267,6 +267,32 @@ def test_close_releases_the_device_clones_of_live_requests() -> None:
     assert (stats.device_bytes, stats.deferred_open, stats.tasks_live) == (0, 0, 0), stats
     with pytest.raises(CacheClosedError):
         save(cache, [("a", [0, 1], 6, 1, 1)])
+
+
+def test_a_read_of_a_live_requests_deferred_rows_cut_by_close_still_gets_them_from_the_clone() -> None:
+    # b hits a's block while a is live: b's "codes" rows come from a's device clone. close()
+    # lands after b's materialize took its step and before it serves the hit: the rows still
+    # come from the clone (before: close forgot a's record, so the read took the pool's never
+    # written slots), and the staging page b's step held is free in the stats afterwards.
+    cache = small_cache(policy=DEFERRED)
+    check(
+        cache.materialize(save(cache, [("a", [0, 1], 0, 6, 1)], new=[NewRequest("a", [0, 1])]), ["a"]), "a", (1, 0, 6)
+    )
+    sid = save(cache, [("b", [0, 2], 4, 1, 2)], new=[NewRequest("b", [0, 2], 4)])
+    took, closed = threading.Event(), threading.Event()
+    take = cache._steps.take
+    cache._steps.take = lambda *args: (take(*args), took.set(), closed.wait(10))[0]
+    out: list = []
+    reader, errors = start_thread(lambda: out.append(cache.materialize(sid, ["b"])))
+    assert took.wait(10)
+    cache.close()
+    closed.set()
+    reader.join(10)
+    assert not errors, errors
+    check(out[0], "b", (1, 0, 4), (2, 4, 1))
+    stats = cache.stats()
+    assert (stats.device_bytes, stats.deferred_open, stats.tasks_live) == (0, 0, 0), stats
+    assert not any(stats.staging_holders) and stats.steps_outstanding == [], stats
 
 
 def test_a_save_that_gets_no_device_budget_in_time_is_refused_and_loses_nothing() -> None:

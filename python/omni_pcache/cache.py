@@ -185,7 +185,8 @@ class PrefixCache:
         """Writes what is queued, stops the committer and wakes every waiter. Idempotent.
         Deferred rows of live requests are not queued (they would be at their requests' finish,
         which the cache will not see now): their device clones are released and their write
-        tasks failed and forgotten, so the device budget and ``tasks_live`` are back to zero."""
+        tasks failed and forgotten, so the device budget and ``tasks_live`` are back to zero.
+        Steps not consumed yet cannot be after it; their staging pages are released."""
         if self._closed:
             return
         self._closed = True
@@ -193,10 +194,12 @@ class PrefixCache:
         self._finalizer()  # stops the committer once
         self._staging.close()
         with self._cond:
+            # (their records stay in ``_records``: a read under way still serves their rows from
+            # the clones, which stay readable for it, instead of the pool's unwritten slots)
             for task_id in self._deferred.drop_open():
                 self._tasks.fail(task_id)
                 self._tasks.remove(task_id)
-                self._records.pop(task_id, None)
+            self._steps.release_at_close()
             self._cond.notify_all()
 
     def _failure_or_none(self) -> WriteFailedError | None:

@@ -154,11 +154,21 @@ class StepPages:
             self._release_page_locked(page, step_id)
 
     def _release_page_locked(self, page: int, step_id: int) -> None:
-        """Drops the step's hold on its staging page, unless a failure already released every
-        holder (caller holds the ledger lock, as the failure path does, so the two cannot
-        interleave)."""
+        """Drops the step's hold on its staging page, unless a failure or close already released
+        every step's (caller holds the ledger lock, as both do, so they cannot interleave)."""
         if not self._staging.closed:
             self._staging.release(page, ("step", step_id))
+
+    def release_at_close(self) -> None:
+        """At close, after the staging registry closed (ledger lock held): drops every step's
+        hold on its page, since no step id is consumed after close (a materialize under way
+        still reads its page: nothing writes a page once the registry is closed). The write
+        tasks' holds stay: a task queued by a save racing close is still written, and its
+        writer releases its own."""
+        for page, holders in enumerate(self._staging.holders()):
+            for kind, step_id in holders:
+                if kind == "step":
+                    self._staging.release(page, (kind, step_id))
 
 
 __all__ = ["StepPages"]
