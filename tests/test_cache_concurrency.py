@@ -440,12 +440,13 @@ def test_a_step_with_no_scheduled_tokens_is_saved_and_consumed(threaded: bool) -
         assert cache.stats().steps_outstanding == []
 
 
-def run_until_closed(seed: int, deferred: bool) -> tuple[PrefixCache, Counter[str], list[BaseException]]:
-    """The engine and its one-step-late reader run until a third thread closes the cache at a
-    random moment (after 5 to 60 saved steps, then 0 to 2 ms). Every call cut short must raise
-    `CacheClosedError`; every step read before it must have its rows. Returns the cache, the
-    counts and whatever else any thread raised."""
-    from omni_pcache import CacheClosedError
+def run_until_stopped(seed: int, deferred: bool, stop: str) -> tuple[PrefixCache, Counter[str], list[BaseException]]:
+    """The engine and its one-step-late reader run until the cache stops at a random moment
+    (after 5 to 60 saved steps): ``stop="close"``, a third thread closes it (0 to 2 ms later);
+    ``stop="failure"``, its next pool write fails. Every call cut short must raise the stop's
+    error (`CacheClosedError`, or `WriteFailedError` naming the injected one); every step read
+    before has its rows. Returns the cache, the counts and whatever else any thread raised."""
+    from omni_pcache import CacheClosedError, WriteFailedError
 
     rng = random.Random(seed)
     engine = TinyEngine(rng)
@@ -458,11 +459,27 @@ def run_until_closed(seed: int, deferred: bool) -> tuple[PrefixCache, Counter[st
     handoff: queue.Queue[SavedStep | None] = queue.Queue()
     errors: list[BaseException] = []
     counts: Counter[str] = Counter()
-    close_after = rng.randint(5, 60)
-    time_to_close = threading.Event()
+    stop_after = rng.randint(5, 60)
+    time_to_stop = threading.Event()
+    expected = CacheClosedError if stop == "close" else WriteFailedError
+
+    def cut_short(exc: BaseException) -> bool:
+        return isinstance(exc, expected) and (stop == "close" or "injected: pool write failed" in str(exc))
+
+    def failing(write):
+        def write_or_fail(*args):
+            if time_to_stop.is_set():
+                raise RuntimeError("injected: pool write failed")
+            return write(*args)
+
+        return write_or_fail
+
+    if stop == "failure":
+        cache._writer.write_batch = failing(cache._writer.write_batch)
+        cache._writer.write_step_now = failing(cache._writer.write_step_now)
 
     def close_later() -> None:
-        time_to_close.wait(60)
+        time_to_stop.wait(60)
         time.sleep(rng.random() * 0.002)
         try:
             cache.close()
@@ -476,32 +493,34 @@ def run_until_closed(seed: int, deferred: bool) -> tuple[PrefixCache, Counter[st
                     cache.discard(item.step_id)
                 else:
                     counts["rows"] += check_outputs(cache, item)
-            except CacheClosedError:
-                counts["cut_short"] += 1
             except BaseException as exc:
-                errors.append(exc)
+                if not cut_short(exc):
+                    errors.append(exc)
+                counts["cut_short"] += 1
 
-    threads = [threading.Thread(target=close_later, daemon=True), threading.Thread(target=consume, daemon=True)]
+    threads = [threading.Thread(target=consume, daemon=True)]
+    if stop == "close":
+        threads.append(threading.Thread(target=close_later, daemon=True))
     for thread in threads:
         thread.start()
     try:
         step = 0
         while engine.counts["saved"] < 200:
-            events, batch, hidden, mm, req_ids, expected = engine.step(step)
+            events, batch, hidden, mm, req_ids, expected_rows = engine.step(step)
             step += 1
             cache.begin_step(events)
             if req_ids:
                 step_id = cache.save(hidden, mm, batch)
                 engine.counts["saved"] += 1
-                handoff.put(SavedStep(step_id, step - 1, req_ids, expected, rng.random() < 0.04))
-                if engine.counts["saved"] == close_after:
-                    time_to_close.set()
-    except CacheClosedError:
-        counts["engine_closed"] += 1
+                handoff.put(SavedStep(step_id, step - 1, req_ids, expected_rows, rng.random() < 0.04))
+                if engine.counts["saved"] == stop_after:
+                    time_to_stop.set()
     except BaseException as exc:
-        errors.append(exc)
+        if not cut_short(exc):
+            errors.append(exc)
+        counts["engine_stopped"] += 1
     finally:
-        time_to_close.set()
+        time_to_stop.set()
         handoff.put(None)
         for thread in threads:
             thread.join(60)
@@ -510,12 +529,19 @@ def run_until_closed(seed: int, deferred: bool) -> tuple[PrefixCache, Counter[st
 
 
 @pytest.mark.parametrize("deferred", [False, True], ids=["immediate", "deferred-codes"])
+@pytest.mark.parametrize("stop", ["close", "failure"])
 @pytest.mark.parametrize("seed", range(6))
-def test_close_at_a_random_moment_cuts_calls_short_cleanly_and_releases_everything(
-    busy_switching, seed: int, deferred: bool
+def test_a_close_or_failure_at_a_random_moment_cuts_calls_short_cleanly_and_releases_everything(
+    busy_switching, seed: int, stop: str, deferred: bool
 ) -> None:
-    cache, counts, errors = run_until_closed(seed, deferred)
+    cache, counts, errors = run_until_stopped(seed, deferred, stop)
     assert not errors, errors
-    assert counts["engine_closed"] == 1, counts
+    assert counts["engine_stopped"] == 1, counts
+    cache.close()
     stats = cache.stats()
-    assert (stats.device_bytes, stats.deferred_open, stats.tasks_live) == (0, 0, 0), stats
+    assert (stats.device_bytes, stats.deferred_open) == (0, 0), stats
+    if stop == "close":
+        assert stats.tasks_live == 0, stats
+    else:  # (every task written before the failure, or failed: none pending, queued or being written)
+        assert {state for _, state in cache._tasks.states()} <= {"WRITTEN", "FAILED"}, cache._tasks.states()
+        assert stats.reads_pending == 0 and not any(stats.staging_holders), stats

@@ -491,3 +491,27 @@ def test_a_failure_between_a_saves_claims_and_its_queueing_leaves_no_step_or_rea
             cache.save(torch.zeros(1, 2), {}, StepBatch(["b"], [1], np.array([8])))
         stats = cache.stats()
         assert (stats.steps_outstanding, stats.reads_pending) == ([], 0), stats
+
+
+def test_a_failure_while_a_hit_on_deferred_rows_is_being_read_raises_the_failure() -> None:
+    # b hits a's block while a is live (b's "codes" rows are in a's deferred record). A failure
+    # lands after b's materialize took its step and before it serves the hit: the failure drops
+    # the failed tasks' claims, so those slots look overwritten; the reader gets the failure
+    # (before: UnservableHitError "overwritten by a newer tenant ... raise max_preserved_rows").
+    cache = small_cache(policy=CachePolicy(token_keys={"codes"}, deferred_keys={"codes"}))
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+    cache.discard(cache.save(torch.ones(6, 2), {"codes": torch.ones(6, 3)}, StepBatch(["a"], [6], np.arange(6))))
+    cache.flush()  # (a's hidden rows reach the pool: b's hit waits on no write, only a's open record)
+    cache.begin_step(StepEvents(new=[NewRequest("b", [0, 2], 4)]))
+    sid = cache.save(torch.zeros(1, 2), {"codes": torch.zeros(1, 3)}, StepBatch(["b"], [1], np.array([8])))
+    took, failed = threading.Event(), threading.Event()
+    take = cache._steps.take
+    cache._steps.take = lambda *args: (take(*args), took.set(), failed.wait(10))[0]
+    reader, errors = start_thread(cache.materialize, sid, ["b"])
+    assert took.wait(10)
+    cache._on_write_failure(0, RuntimeError("injected: pool write failed"))
+    failed.set()
+    reader.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], WriteFailedError), errors
+    assert "injected: pool write failed" in str(errors[0])
+    cache.close()

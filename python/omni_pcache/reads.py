@@ -145,6 +145,8 @@ class HitReader:
                         for s, v in zip(slots, versions, strict=True)
                         if not self._preserved.contains(read.spec.name, s, v)
                     ]
+                    if lost and (failure := self._failure()) is not None:
+                        raise failure  # (a failure drops its tasks' claims: their slots look overwritten)
                     if lost:
                         raise UnservableHitError(
                             f"request {hit.req_id!r} (step {step_id}): {len(lost)} rows of "
