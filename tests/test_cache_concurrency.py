@@ -545,3 +545,14 @@ def test_a_close_or_failure_at_a_random_moment_cuts_calls_short_cleanly_and_rele
     else:  # (every task written before the failure, or failed: none pending, queued or being written)
         assert {state for _, state in cache._tasks.states()} <= {"WRITTEN", "FAILED"}, cache._tasks.states()
         assert stats.reads_pending == 0 and not any(stats.staging_holders), stats
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("deferred", [False, True], ids=["immediate", "deferred-codes"])
+@pytest.mark.parametrize("stop", ["close", "failure"])
+def test_a_close_or_failure_at_a_random_moment_soak(busy_switching, stop: str, deferred: bool) -> None:
+    # 500 more seeds per case (each bug this harness found showed up in about 1 run in 1,000)
+    for seed in range(6, 506):
+        test_a_close_or_failure_at_a_random_moment_cuts_calls_short_cleanly_and_releases_everything(
+            None, seed, stop, deferred
+        )
