@@ -442,16 +442,24 @@ def test_a_step_with_no_scheduled_tokens_is_saved_and_consumed(threaded: bool) -
 
 def run_until_stopped(seed: int, deferred: bool, stop: str) -> tuple[PrefixCache, Counter[str], list[BaseException]]:
     """The engine and its one-step-late reader run until the cache stops at a random moment
-    (after 5 to 60 saved steps): ``stop="close"``, a third thread closes it (0 to 2 ms later);
-    ``stop="failure"``, its next pool write fails. Every call cut short must raise the stop's
-    error (`CacheClosedError`, or `WriteFailedError` naming the injected one); every step read
-    before has its rows. Returns the cache, the counts and whatever else any thread raised."""
+    (after 5 to 60 saved steps; the config is drawn from the seed too): ``stop="close"``, a
+    third thread closes it (0 to 2 ms later); ``stop="failure"``, its next pool write fails.
+    Every call cut short must raise the stop's error (`CacheClosedError`, or `WriteFailedError`
+    naming the injected one); every step read before has its rows. Returns the cache, the
+    counts and whatever else any thread raised."""
     from omni_pcache import CacheClosedError, WriteFailedError
 
     rng = random.Random(seed)
     engine = TinyEngine(rng)
     config = CacheConfig(
-        NUM_BLOCKS, BLOCK_SIZE, staging_depth=3, staging_capacity_tokens=TOKEN_BUDGET, claim_timeout_s=20.0
+        NUM_BLOCKS,
+        BLOCK_SIZE,
+        staging_depth=3,
+        staging_capacity_tokens=TOKEN_BUDGET,
+        claim_timeout_s=20.0,
+        threaded=rng.random() < 0.8,
+        inline_write_bytes=rng.choice((0, 2048, 1 << 20)),  # (every step to the committer .. every step in save)
+        device_budget_bytes=rng.choice((600, 1 << 20)),  # (600: deferred rows flushed early to make room)
     )
     keys = frozenset({"who", "codes"})
     policy = CachePolicy(token_keys=keys, deferred_keys=frozenset({"codes"}) if deferred else frozenset())
