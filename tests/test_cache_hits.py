@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from cachekit import batch, describe, rows, slots_of, small_cache
-from omni_pcache import NewRequest, StepBatch, StepEvents, UnservableHitError, outputs
+from cachekit import batch, describe, rows, slots_of, small_cache, start_thread
+from omni_pcache import NewRequest, StepBatch, StepEvents, UnservableHitError, WriteFailedError, outputs
 
 BS = 4
 
@@ -188,6 +188,7 @@ def test_output_chunks_group_consecutive_requests_up_to_the_chunk_bytes(monkeypa
     monkeypatch.setattr(outputs, "OUTPUT_CHUNK_BYTES", 4 * 8)  # 4 rows of 8 bytes
     assert outputs.output_chunks([], 8) == []
     assert outputs.output_chunks([1, 2, 1], 8) == [(0, 3)]  # everything fits: one chunk
+    assert outputs.output_chunks([2, 2, 1], 8) == [(0, 2), (2, 3)]  # a chunk filled to exactly its bytes
     # A request larger than a chunk gets one of its own; none is split.
     assert outputs.output_chunks([1, 2, 3, 5, 1, 0, 4], 8) == [(0, 2), (2, 3), (3, 4), (4, 6), (6, 7)]
     assert outputs.output_chunks([9, 9], 0) == [(0, 2)]  # rows of no bytes
@@ -452,3 +453,83 @@ def test_a_late_read_waits_for_rows_being_kept_aside_and_is_woken_when_they_are(
         assert 0.15 < time.monotonic() - start < 3, "waited for the fill, and was woken by it"
         engine.join(10)
         cache.discard(saved["sid"])
+
+
+def test_a_late_read_partly_preserved_and_partly_in_flight_counts_each_row_where_it_came_from() -> None:
+    # As above, but a's write is still in transit when b's read is planned and c reuses block 0:
+    # block 0's rows are kept aside for the read, block 1's come from a's write.
+    with small_cache(inline_write_bytes=0) as cache:
+        gate = hold_writes(cache)
+        cache.materialize(run_step(cache, [NewRequest("a", [0, 1])], reqs=[("a", [0, 1], 0, 8, 1)]), ["a"])
+        hit_step = run_step(cache, [NewRequest("b", [0, 1, 2], 8)], reqs=[("b", [0, 1, 2], 8, 1, 2)])
+        cache.discard(run_step(cache, [NewRequest("c", [0])], finished=["a"], reqs=[("c", [0], 0, 4, 3)]))
+        gate.set()
+        expect(cache.materialize(hit_step, ["b"]), "b", [(1, 0, 8), (2, 8, 1)])
+        stats = cache.stats()
+        # (per key: 4 rows of block 0 preserved, 4 of block 1 from a's write; hidden and codes)
+        assert (stats.rows_preserved, stats.rows_in_flight, stats.rows_from_pool) == (8, 8, 0)
+
+
+def _late_read_with_its_copy_held_back(cache, before_reuse=lambda: None):
+    """b's step hits a's block 0 (in the pool); then (after ``before_reuse``) c's save reuses
+    block 0 on another thread (the engine's, from then on) and is held inside the copy that
+    keeps a's rows aside for b's read. Returns b's step id, the gate that lets c's save go on,
+    and c's thread with its error list."""
+    cache.materialize(run_step(cache, [NewRequest("a", [0, 1])], reqs=[("a", [0, 1], 0, 8, 1)]), ["a"])
+    cache.flush()
+    hit_step = run_step(cache, [NewRequest("b", [0, 2], 4)], reqs=[("b", [0, 2], 4, 1, 2)])
+    before_reuse()
+    gate, filling = threading.Event(), threading.Event()
+    fill = cache._preserved.fill
+    cache._preserved.fill = lambda *args: (filling.set(), gate.wait(10), fill(*args))[2]
+    saver, errors = start_thread(
+        lambda: cache.discard(run_step(cache, [NewRequest("c", [0])], finished=["a"], reqs=[("c", [0], 0, 4, 3)]))
+    )
+    assert filling.wait(10), "c's claim kept nothing aside for b's read"
+    return hit_step, gate, saver, errors
+
+
+def test_a_late_read_whose_preserved_copy_is_not_filled_in_time_raises_unservable_not_pool_rows() -> None:
+    with small_cache(claim_timeout_s=0.3) as cache:
+        hit_step, gate, saver, errors = _late_read_with_its_copy_held_back(cache)
+        try:
+            with pytest.raises(
+                UnservableHitError, match=r"request 'b' \(step \d+\): preserved rows not filled in time"
+            ):
+                cache.materialize(hit_step, ["b"])
+        finally:
+            gate.set()
+            saver.join(10)
+        assert errors == []
+        # The cache stays usable: a read planned now gets the block's new tenant.
+        cache.flush()
+        sid = run_step(cache, [NewRequest("d", [0, 3], 4)], reqs=[("d", [0, 3], 4, 1, 4)])
+        expect(cache.materialize(sid, ["d"]), "d", [(3, 0, 4), (4, 4, 1)])
+
+
+def test_a_failure_while_a_late_read_waits_for_its_preserved_copy_raises_the_failure() -> None:
+    # As above, while b's read waits for the copy a queued write of another request fails: b's
+    # read raises that failure at once, not a timeout's UnservableHitError after claim_timeout_s.
+    with small_cache(claim_timeout_s=30.0, inline_write_bytes=0) as cache:
+        fail_now = threading.Event()
+
+        def failing_write(groups) -> None:
+            assert fail_now.wait(10)
+            raise RuntimeError("injected: pool write failed")
+
+        def queue_a_write_that_fails() -> None:
+            cache._writer.write_batch = failing_write
+            cache.discard(run_step(cache, [NewRequest("x", [5])], reqs=[("x", [5], 0, 4, 9)]))
+
+        hit_step, gate, saver, _ = _late_read_with_its_copy_held_back(cache, queue_a_write_that_fails)
+        try:
+            reader, raised = start_thread(cache.materialize, hit_step, ["b"])
+            time.sleep(0.1)  # (lets b's read reach its wait; the test passes either way)
+            fail_now.set()
+            reader.join(10)
+            assert not reader.is_alive()
+            assert [type(exc) for exc in raised] == [WriteFailedError], raised
+            assert "injected: pool write failed" in str(raised[0])
+        finally:
+            gate.set()
+            saver.join(10)
