@@ -192,6 +192,43 @@ def test_a_key_first_seen_as_leftover_stays_leftover() -> None:
         assert "lens" not in cache.stats().pool_bytes
 
 
+def test_a_leftover_name_stays_leftover_after_a_refused_step_that_carried_it() -> None:
+    # The refused step registered its keys before its pool storage failed; undoing that forgets
+    # only what it added ("feat"), not "lens", which an earlier step classified as leftover.
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        first = {"lens": torch.tensor([1, 2, 3])}  # dim 0 != 4: leftover
+        cache.discard(cache.save(torch.zeros(4, 2), first, StepBatch(["a"], [4], np.arange(4))))
+        too_wide = torch.zeros(4, 1).expand(4, 2**36)  # (a pool of 2**36 floats a row cannot be allocated)
+        with pytest.raises(InvalidInputError):
+            cache.save(torch.zeros(4, 2), {**first, "feat": too_wide}, StepBatch(["a"], [4], np.arange(4, 8)))
+        out_id = cache.save(
+            torch.zeros(3, 2), {"lens": torch.tensor([7, 8, 9])}, StepBatch(["a"], [3], np.arange(4, 7))
+        )
+        assert torch.equal(cache.materialize(out_id, ["a"]).mm["lens"]["a"], torch.tensor([7, 8, 9]))
+        assert "lens" not in cache.stats().pool_bytes and "feat" not in cache.stats().pool_bytes
+
+
+@pytest.mark.parametrize(
+    ("mm", "message"),
+    [
+        ({5: torch.ones(4, 2)}, "mm keys must be str, got 5"),
+        ({("a",): torch.ones(4, 2)}, r"mm keys must be str, got \('a',\)"),
+        ({b"codes": "a leftover"}, "mm keys must be str, got b'codes'"),
+    ],
+)
+def test_an_mm_key_that_is_not_a_str_is_refused_and_changes_nothing(mm, message) -> None:
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        batch = StepBatch(["a"], [4], np.arange(4))
+        with pytest.raises(InvalidInputError, match=message):
+            cache.save(torch.ones(4, 2), mm, batch)
+        stats = cache.stats()
+        assert (stats.steps_outstanding, stats.pool_bytes, stats.tasks_live) == ([], {}, 0)
+        out = cache.materialize(cache.save(torch.ones(4, 2), {"codes": torch.ones(4, 2)}, batch), ["a"])
+        assert list(out.mm) == ["codes"] and torch.equal(out.mm["codes"]["a"], torch.ones(4, 2))
+
+
 def test_explicit_token_keys_turn_discovery_off() -> None:
     policy = CachePolicy(token_keys={"codes"})
     with small_cache(policy=policy) as cache:

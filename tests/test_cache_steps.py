@@ -95,6 +95,20 @@ def test_waiting_save_succeeds_when_a_page_frees_in_time() -> None:
         assert cache.stats().num_waits == 1
 
 
+def test_a_save_waiting_for_a_page_cut_short_by_close_leaves_no_step_id_outstanding() -> None:
+    cache = small_cache(staging_depth=1, claim_timeout_s=30.0)
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+    first = save_one(cache)  # (holds the only page, never consumed)
+    waiter, errors = start_thread(save_one, cache, "a", 2)
+    time.sleep(0.1)  # (lets the save reach its wait for the page; the test passes either way)
+    cache.close()
+    waiter.join(10)
+    assert not waiter.is_alive() and [type(exc) for exc in errors] == [CacheClosedError], errors
+    stats = cache.stats()
+    assert stats.steps_outstanding == [first], "the refused save issued no step id"
+    assert not any(stats.staging_holders), "close released the unconsumed step's page"
+
+
 def test_oversized_step_and_foreign_request_ids_raise_and_change_nothing() -> None:
     with small_cache(staging_capacity_tokens=8) as cache:
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2])]))
@@ -335,6 +349,7 @@ def test_flush_refuses_a_timeout_that_is_not_a_finite_number(timeout_s) -> None:
             cache.flush(timeout_s)
         cache.flush(0)  # (nothing queued: returns at once)
         cache.flush(np.float32(0.5))  # (numpy scalars are numbers too)
+        cache.flush(threading.TIMEOUT_MAX)  # (the largest a wait takes)
 
 
 def test_rows_that_require_grad_or_have_no_data() -> None:
