@@ -95,6 +95,21 @@ def test_the_budget_flushes_the_oldest_deferred_request_first() -> None:
         check(cache.materialize(step, ["e"]), "e", (1, 0, 4), (5, 4, 1))
 
 
+def test_the_budget_at_its_exact_bound_neither_waits_nor_flushes_more_than_it_must() -> None:
+    step_bytes = 4 * 2 * 8  # 4 rows of int64 (2,)
+    with small_cache(policy=DEFERRED, device_budget_bytes=2 * step_bytes) as cache:
+        cache.discard(save(cache, [("a", [0], 0, 4, 1)], new=[NewRequest("a", [0])]))
+        cache.discard(save(cache, [("b", [1], 0, 4, 2)], new=[NewRequest("b", [1])]))  # (fills it to the byte)
+        stats = cache.stats()
+        assert (stats.device_bytes, stats.deferred_open, stats.num_waits) == (2 * step_bytes, 2, 0), stats
+        # c needs one step's bytes: flushing a frees exactly that, so b keeps its rows on the device.
+        cache.discard(save(cache, [("c", [2], 0, 4, 3)], new=[NewRequest("c", [2])]))
+        cache.flush()
+        stats = cache.stats()
+        assert (stats.device_bytes, stats.deferred_open) == (2 * step_bytes, 2), stats
+        assert stats.bytes_written["codes"] == step_bytes, "only a's rows were written"
+
+
 def test_deferred_keys_that_fit_the_budget_alone_but_not_together_are_refused_at_once() -> None:
     policy = CachePolicy(token_keys={"codes", "audio"}, deferred_keys={"codes", "audio"})
     step_bytes = 4 * 2 * 8  # 4 rows of int64 (2,) per key: each fits, both do not
