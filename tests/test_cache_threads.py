@@ -390,7 +390,9 @@ def test_a_materialize_waiting_for_an_in_flight_write_is_counted_with_its_wait_t
         timer.join()
         assert torch.equal(out.hidden["b"], torch.ones(6, 2))
         stats = cache.stats()
-        assert stats.num_waits == 1 and 0.2 <= stats.wait_time_s < 10 and stats.rows_in_flight == 4
+        # (the gate opens 0.2 s after the timer starts, a little before or after the read begins
+        # to wait on a loaded machine: the wait counted is well above zero, not exactly 0.2 s)
+        assert stats.num_waits == 1 and 0.1 <= stats.wait_time_s < 10 and stats.rows_in_flight == 4
 
 
 def test_the_fence_forgets_the_copies_it_finished() -> None:
