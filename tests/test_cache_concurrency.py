@@ -31,7 +31,16 @@ import numpy as np
 import pytest
 import torch
 
-from omni_pcache import CacheConfig, CachePolicy, NewRequest, PrefixCache, StepBatch, StepEvents
+from omni_pcache import (
+    CacheClosedError,
+    CacheConfig,
+    CachePolicy,
+    NewRequest,
+    PrefixCache,
+    StepBatch,
+    StepEvents,
+    WriteFailedError,
+)
 from rowcodec import Stamp, describe, row_diff, stamps
 
 BLOCK_SIZE = 4
@@ -303,6 +312,13 @@ def check_outputs(cache: PrefixCache, saved: SavedStep) -> int:
     return sum(e.hidden.shape[0] for e in saved.expected.values())
 
 
+def harness_config(**overrides) -> CacheConfig:
+    """The cache config the tiny engine drives: its block pool, its token budget per step."""
+    return CacheConfig(
+        NUM_BLOCKS, BLOCK_SIZE, staging_depth=3, staging_capacity_tokens=TOKEN_BUDGET, claim_timeout_s=20.0, **overrides
+    )
+
+
 def run_engine_and_late_consumer(
     num_steps: int, seed: int, inline_write_bytes: int = 0
 ) -> tuple[PrefixCache, Counter[str]]:
@@ -312,15 +328,7 @@ def run_engine_and_late_consumer(
     inside save while the committer is idle, larger ones by it."""
     rng = random.Random(seed)
     engine = TinyEngine(rng)
-    config = CacheConfig(
-        NUM_BLOCKS,
-        BLOCK_SIZE,
-        staging_depth=3,
-        staging_capacity_tokens=TOKEN_BUDGET,
-        claim_timeout_s=20.0,
-        threaded=True,
-        inline_write_bytes=inline_write_bytes,
-    )
+    config = harness_config(threaded=True, inline_write_bytes=inline_write_bytes)
     cache = PrefixCache(config, CachePolicy(token_keys=frozenset({"who", "codes"})))
     handoff: queue.Queue[SavedStep | None] = queue.Queue()
     errors: list[BaseException] = []
@@ -447,16 +455,9 @@ def run_until_stopped(seed: int, deferred: bool, stop: str) -> tuple[PrefixCache
     Every call cut short must raise the stop's error (`CacheClosedError`, or `WriteFailedError`
     naming the injected one); every step read before has its rows. Returns the cache, the
     counts and whatever else any thread raised."""
-    from omni_pcache import CacheClosedError, WriteFailedError
-
     rng = random.Random(seed)
     engine = TinyEngine(rng)
-    config = CacheConfig(
-        NUM_BLOCKS,
-        BLOCK_SIZE,
-        staging_depth=3,
-        staging_capacity_tokens=TOKEN_BUDGET,
-        claim_timeout_s=20.0,
+    config = harness_config(
         threaded=rng.random() < 0.8,
         inline_write_bytes=rng.choice((0, 2048, 1 << 20)),  # (every step to the committer .. every step in save)
         device_budget_bytes=rng.choice((600, 1 << 20)),  # (600: deferred rows flushed early to make room)
