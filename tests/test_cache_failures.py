@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from cachekit import small_cache, start_thread
+from cachekit import describe, rows, slots_of, small_cache, start_thread
 from omni_pcache import (
     CacheClosedError,
     CachePolicy,
@@ -514,4 +514,61 @@ def test_a_failure_while_a_hit_on_deferred_rows_is_being_read_raises_the_failure
     reader.join(10)
     assert len(errors) == 1 and isinstance(errors[0], WriteFailedError), errors
     assert "injected: pool write failed" in str(errors[0])
+    cache.close()
+
+
+def test_a_save_whose_own_write_succeeds_after_the_cache_failed_raises_the_failure() -> None:
+    # The committer fails (another thread) while save writes its small step itself: save's own
+    # write lands, but the cache has failed meanwhile, so save raises the sticky failure (it is
+    # not its own write's failure, which save would return the step id for) and holds nothing.
+    cache = small_cache(inline_write_bytes=1 << 20)
+    write_step_now = cache._writer.write_step_now
+    calls = []
+
+    def failed_meanwhile(*args):
+        calls.append(args)
+        write_step_now(*args)
+        cache._on_write_failure(-1, RuntimeError("injected: committer broke"))
+
+    cache._writer.write_step_now = failed_meanwhile
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+    with pytest.raises(WriteFailedError, match=r"the committer thread failed.*committer broke"):
+        cache.save(torch.ones(2, 2), {}, StepBatch(["a"], [2], np.arange(2)))
+    assert len(calls) == 1, "the step was written by save itself"
+    stats = cache.stats()
+    assert stats.steps_outstanding == [] and stats.staging_holders == [[], [], []], stats
+    cache.close()
+
+
+def test_finishing_a_request_whose_task_was_reaped_while_its_step_is_still_open() -> None:
+    cache = small_cache(inline_write_bytes=0)
+    cache._committer.max_batch = 1  # one task per batch: a's task lands before b's
+    write, calls = cache._writer.write_batch, []
+    entered, gate = threading.Event(), threading.Event()
+
+    def gated(groups):
+        calls.append(groups)
+        if len(calls) > 1:  # b's task: held until the test lets it go
+            entered.set()
+            gate.wait(10)
+        write(groups)
+
+    cache._writer.write_batch = gated
+    try:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0]), NewRequest("b", [1])]))
+        hidden = torch.cat([rows(1, 0, 4), rows(2, 0, 4)])
+        slots = np.concatenate([slots_of([0], 0, 4, 4), slots_of([1], 0, 4, 4)])
+        step = cache.save(hidden, {}, StepBatch(["a", "b"], [4, 4], slots))
+        assert entered.wait(10), "b's task never reached the writer"
+        cache.begin_step(StepEvents())  # reaps a's written task; the step stays open for b's
+        cache.begin_step(StepEvents(finished=["a"]))  # a's task is forgotten: nothing to escalate
+    finally:
+        gate.set()
+    out = cache.materialize(step, ["a", "b"])
+    assert describe(out.hidden["a"]) == describe(rows(1, 0, 4))
+    assert describe(out.hidden["b"]) == describe(rows(2, 0, 4))
+    cache.flush()
+    cache.begin_step(StepEvents(finished=["b"]))
+    stats = cache.stats()
+    assert (stats.tasks_live, stats.steps_outstanding, stats.requests_live) == (0, [], 0)
     cache.close()

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections import namedtuple
 from typing import NamedTuple
 
 import numpy as np
 import pytest
 import torch
 
-from cachekit import slots_of, small_cache
+from cachekit import describe, rows, slots_of, small_cache
 from omni_pcache import (
     CachePolicy,
     ConfigError,
@@ -420,3 +421,66 @@ def test_a_numpy_leftover_is_snapshotted_at_save() -> None:
         meta[:] = 99  # the caller reuses its array once save returns
         cache.begin_step(StepEvents())
         assert np.array_equal(cache.materialize(sid, ["a"]).mm["meta"]["a"], np.arange(3))
+
+
+Pair = namedtuple("Pair", ["first", "second"])
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [lambda t: [torch.ones(2), t], lambda t: (torch.ones(2), t), lambda t: Pair(torch.ones(2), t)],
+    ids=["list", "tuple", "namedtuple"],
+)
+def test_a_meta_tensor_inside_a_leftover_list_or_tuple_is_refused(wrap) -> None:
+    # Each element of a list or tuple is snapshot as a value of its own: a meta tensor in one
+    # is refused as it is at top level or in a dict, and the refused save holds nothing.
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        batch = StepBatch(["a"], [4], np.arange(4))
+        with pytest.raises(InvalidInputError, match="leftover mm 'x' holds a meta tensor"):
+            cache.save(torch.ones(4, 2), {"x": wrap(torch.empty(5, device="meta"))}, batch)
+        assert cache.stats().steps_outstanding == []
+        step = cache.save(torch.ones(4, 2), {"x": wrap(torch.zeros(5))}, batch)
+        out = cache.materialize(step, ["a"]).mm["x"]["a"]
+        assert type(out) is type(wrap(torch.zeros(5))) and torch.equal(out[1], torch.zeros(5))
+
+
+class _OutOfMemoryOnCopy:
+    def __deepcopy__(self, memo):
+        raise MemoryError("injected: no memory for the copy")
+
+
+def test_running_out_of_memory_while_copying_a_leftover_raises_it_and_the_save_holds_nothing() -> None:
+    # A MemoryError is not a value that cannot be copied (InvalidInputError): it propagates as
+    # it is, and the leftover is never handed back as something else (None).
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        batch = StepBatch(["a"], [4], np.arange(4))
+        with pytest.raises(MemoryError, match="injected"):
+            cache.save(torch.ones(4, 2), {"x": _OutOfMemoryOnCopy()}, batch)
+        stats = cache.stats()
+        assert (stats.steps_outstanding, stats.tasks_live) == ([], 0)
+
+
+def test_a_save_refused_after_its_keys_got_storage_frees_their_pool_and_staging() -> None:
+    # The step's first save: its keys get pool storage and staging pages, then the save is
+    # refused (cloning its rows fails, as a device allocation can): neither the pool nor the
+    # staging pages of those keys are left allocated, and a retry allocates them again.
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        batch = StepBatch(["a"], [4], slots_of([0, 1], 0, 4, 4))
+        clone_step = cache._deferred.clone_step
+
+        def out_of_memory(*args):
+            raise RuntimeError("injected: out of memory")
+
+        cache._deferred.clone_step = out_of_memory
+        with pytest.raises(RuntimeError, match="injected"):
+            cache.save(rows(1, 0, 4), {"codes": rows(7, 0, 4)}, batch)
+        stats = cache.stats()
+        assert (stats.pool_bytes, stats.staging_bytes, stats.bytes_written) == ({}, {}, {}), stats
+        assert (stats.steps_outstanding, stats.staging_holders) == ([], [[], [], []]), stats
+        cache._deferred.clone_step = clone_step
+        out = cache.materialize(cache.save(rows(1, 0, 4), {"codes": rows(7, 0, 4)}, batch), ["a"])
+        assert describe(out.mm["codes"]["a"]) == describe(rows(7, 0, 4))
+        assert set(cache.stats().staging_bytes) == {"hidden", "codes"}

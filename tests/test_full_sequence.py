@@ -497,3 +497,99 @@ def test_a_late_read_of_rows_a_finished_request_holds_on_the_device_survives_the
         gate.set()
         check(cache.materialize(late, ["c"]), "c", (1, 0, 4), (3, 4, 1))
         check(cache.materialize(reuse, ["b"]), "b", (2, 0, 4))
+
+
+def _deferred_cache():
+    return small_cache(inline_write_bytes=0, policy=CachePolicy(token_keys={"codes"}, deferred_keys={"codes"}))
+
+
+def test_a_save_whose_deferred_clones_were_charged_when_close_came_uncharges_them() -> None:
+    # close() runs (another thread) after save charged the device budget for its clones and
+    # before it checks the request's open record: save raises CacheClosedError and the budget
+    # it charged is given back, so the device budget is back to zero after close.
+    cache = _deferred_cache()
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2])]))
+    cache.discard(cache.save(torch.ones(4, 2), {"codes": torch.ones(4, 3)}, StepBatch(["a"], [4], np.arange(4))))
+    assert cache.stats().deferred_open == 1
+    cache.begin_step(StepEvents())
+    close_other_keys = cache._deferred.close_other_keys
+
+    def closed_meanwhile(*args):
+        closer, errors = start_thread(cache.close)
+        closer.join(10)
+        assert not closer.is_alive() and not errors, errors
+        return close_other_keys(*args)
+
+    cache._deferred.close_other_keys = closed_meanwhile
+    with pytest.raises(CacheClosedError, match="the cache was closed during save"):
+        cache.save(torch.ones(4, 2), {"codes": torch.ones(4, 3)}, StepBatch(["a"], [4], np.arange(4, 8)))
+    stats = cache.stats()
+    assert (stats.device_bytes, stats.deferred_open, stats.steps_outstanding) == (0, 0, []), stats
+
+
+def test_a_step_without_deferred_keys_leaves_the_requests_open_record_on_the_device() -> None:
+    # A step that gives no deferred key at all does not close the request's open record (only
+    # a step with another set of deferred keys does): its rows stay on the device, open, until
+    # the request finishes, and are then written and served as usual.
+    cache = small_cache(policy=CachePolicy(token_keys={"codes"}, deferred_keys={"codes"}))
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+    cache.discard(cache.save(rows(1, 0, 4), {"codes": rows(7, 0, 4)}, StepBatch(["a"], [4], slots_of([0, 1], 0, 4, 4))))
+    before = cache.stats()
+    assert before.deferred_open == 1 and before.device_bytes > 0
+    cache.begin_step(StepEvents())
+    step = cache.save(rows(1, 4, 2), {}, StepBatch(["a"], [2], slots_of([0, 1], 4, 2, 4)))
+    assert describe(cache.materialize(step, ["a"]).hidden["a"]) == describe(rows(1, 4, 2))
+    cache.flush()
+    after = cache.stats()
+    assert (after.deferred_open, after.device_bytes) == (1, before.device_bytes), after
+    cache.begin_step(StepEvents(finished=["a"], new=[NewRequest("b", [0, 2], 4)]))
+    step = cache.save(rows(2, 4, 1), {"codes": rows(8, 4, 1)}, StepBatch(["b"], [1], slots_of([0, 2], 4, 1, 4)))
+    out = cache.materialize(step, ["b"])
+    assert describe(out.mm["codes"]["b"]) == describe(rows(7, 0, 4)) + describe(rows(8, 4, 1))
+    cache.close()
+    stats = cache.stats()
+    assert (stats.device_bytes, stats.deferred_open) == (0, 0), stats
+
+
+def test_a_record_closed_by_a_step_with_only_deferred_keys_is_written_without_another_wake_up() -> None:
+    # No immediate key (cache_hidden=False): the step queues no task of its own, so the wake-up
+    # for the record its new key set closed is the only one; without it the record's write
+    # would sit in the queue until some later step woke the committer, and flush would time out.
+    policy = CachePolicy(token_keys={"codes", "aux"}, deferred_keys={"codes", "aux"}, cache_hidden=False)
+    cache = small_cache(policy=policy, claim_timeout_s=5.0)
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+    mm = {"codes": rows(7, 0, 4), "aux": rows(5, 0, 4)}
+    cache.discard(cache.save(None, mm, StepBatch(["a"], [4], slots_of([0, 1], 0, 4, 4))))
+    cache.begin_step(StepEvents())
+    cache.discard(cache.save(None, {"codes": rows(7, 4, 2)}, StepBatch(["a"], [2], slots_of([0, 1], 4, 2, 4))))
+    cache.flush()  # the closed record (a's first 4 rows of both keys) is in the pool
+    assert cache.stats().bytes_written == {"codes": 4 * 3 * 4, "aux": 4 * 3 * 4}
+    cache.begin_step(StepEvents(finished=["a"], new=[NewRequest("b", [0, 2], 4)]))
+    step = cache.save(
+        None, {"codes": rows(8, 4, 1), "aux": rows(6, 4, 1)}, StepBatch(["b"], [1], slots_of([0, 2], 4, 1, 4))
+    )
+    out = cache.materialize(step, ["b"])
+    assert describe(out.mm["codes"]["b"]) == describe(rows(7, 0, 4)) + describe(rows(8, 4, 1))
+    assert describe(out.mm["aux"]["b"]) == describe(rows(5, 0, 4)) + describe(rows(6, 4, 1))
+    cache.close()
+    stats = cache.stats()
+    assert (stats.device_bytes, stats.deferred_open, stats.tasks_live) == (0, 0, 0), stats
+
+
+def test_a_deferred_key_of_zero_width_rows_is_written_and_served_like_any_other() -> None:
+    # Rows of zero elements move nothing: the finished request's record is written (a no-op
+    # for that key) without failing the cache, and a hit on it gets rows of the same shape.
+    cache = small_cache(policy=CachePolicy(token_keys={"codes"}, deferred_keys={"codes"}))
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+    cache.discard(
+        cache.save(rows(1, 0, 4), {"codes": torch.empty(4, 0)}, StepBatch(["a"], [4], slots_of([0, 1], 0, 4, 4)))
+    )
+    cache.begin_step(StepEvents(finished=["a"], new=[NewRequest("b", [0, 2], 4)]))
+    cache.flush()
+    step = cache.save(rows(2, 4, 1), {"codes": torch.empty(1, 0)}, StepBatch(["b"], [1], slots_of([0, 2], 4, 1, 4)))
+    out = cache.materialize(step, ["b"])
+    assert describe(out.hidden["b"]) == describe(rows(1, 0, 4)) + describe(rows(2, 4, 1))
+    assert out.mm["codes"]["b"].shape == (5, 0)
+    cache.close()
+    stats = cache.stats()
+    assert (stats.device_bytes, stats.deferred_open, stats.tasks_live) == (0, 0, 0), stats

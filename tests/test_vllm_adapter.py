@@ -804,3 +804,65 @@ def test_a_re_init_without_prefix_caching_closes_and_drops_the_cache() -> None:
     runner.pcache_begin_step(so)
     assert runner.pcache_save(torch.zeros(18, 4), {}, so, ["A", "E"]) is None
     runner.pcache_shutdown()
+
+
+def test_step_batch_refuses_an_output_whose_requests_and_scheduled_counts_disagree() -> None:
+    # "b" is among the output's new requests but has no scheduled token count: the rows match
+    # what is scheduled, yet the output itself is inconsistent, and is refused, naming both sets.
+    t = BlockTracker()
+    so = so_of(new=[new_req("a", [3, 4]), new_req("b", [5])], counts={"a": 2})
+    t.update(so)
+    with pytest.raises(InvalidInputError, match=r"schedules \['a'\] but its requests are \['a', 'b'\]: inconsistent"):
+        step_batch(so, t, ["a"], 4)
+
+
+def test_a_step_id_refused_for_want_of_a_cache_carries_the_step_id_and_no_outstanding_ids() -> None:
+    # The mixin's StepIdError for an id no running cache issued has the attributes the cache's
+    # own StepIdError has (a handler reading them must not get an AttributeError).
+    import torch
+
+    from omni_pcache import StepIdError
+    from vllm_replay import RECORDED, Runner, scheduler_output, stage_configs, standin_types
+
+    types = standin_types()
+    runner = Runner("scheduler", "inline")
+    assert runner.pcache_init(**stage_configs(types), is_last_pipeline_stage=True, tensor_parallel_rank=0)
+    try:
+        so = scheduler_output(types, RECORDED[0])
+        runner.pcache_begin_step(so)
+        kept = runner.pcache_save(torch.zeros(18, 4), {}, so, ["A", "E"])
+        assert runner.pcache_init(**stage_configs(types), is_last_pipeline_stage=True, tensor_parallel_rank=0)
+        for hook in (lambda: runner.pcache_materialize(kept, ["A", "E"]), lambda: runner.pcache_discard(kept)):
+            with pytest.raises(StepIdError, match="no cache running") as err:
+                hook()
+            assert (err.value.step_id, err.value.outstanding) == (kept, [])
+    finally:
+        runner.pcache_shutdown()
+
+
+def test_the_gate_reads_fields_an_older_vllms_cache_config_lacks_as_off() -> None:
+    # The gate reads configs by attribute: a CacheConfig without ``enable_prefix_caching`` means
+    # no prefix caching (no cache); one without ``kv_sharing_fast_prefill`` (an older vLLM) is
+    # not fast prefill, and gets a cache.
+    from types import SimpleNamespace
+
+    from omni_pcache.vllm import cache_config_from_vllm
+    from vllm_replay import stage_configs, standin_types
+
+    configs = stage_configs(standin_types())
+    bs = configs["cache_config"].block_size
+    no_flag = configs | {"cache_config": SimpleNamespace(block_size=bs)}
+    assert cache_config_from_vllm(**no_flag) is None
+    older = configs | {"cache_config": SimpleNamespace(block_size=bs, enable_prefix_caching=True)}
+    config = cache_config_from_vllm(**older)
+    assert config is not None and config.block_size == bs
+
+
+def test_step_batch_names_a_row_request_the_output_has_but_does_not_schedule() -> None:
+    # "b" is one of the output's requests (so the tracker holds its blocks) but has no
+    # scheduled tokens: naming it among the forward's rows is refused as not scheduled.
+    t = BlockTracker()
+    so = so_of(new=[new_req("a", [3, 4]), new_req("b", [5])], counts={"a": 2})
+    t.update(so)
+    with pytest.raises(InvalidInputError, match=r"req_ids \['b'\] are not scheduled by this SchedulerOutput"):
+        step_batch(so, t, ["a", "b"], 4)
