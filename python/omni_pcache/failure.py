@@ -6,6 +6,7 @@ engine thread for a step save wrote itself)."""
 from __future__ import annotations
 
 from omni_pcache.errors import InvalidInputError, WriteFailedError
+from omni_pcache.steps import release_page_holders
 
 
 def write_failed_error(task_id: int, exc: BaseException, what: str) -> WriteFailedError:
@@ -39,9 +40,7 @@ def release_everything(tasks, ledger, step_records, reader, records, deferred, s
             record.release()
     deferred.drop_all()
     staging.close()
-    for page, holders in enumerate(staging.holders()):
-        for holder in holders:
-            staging.release(page, holder)
+    release_page_holders(staging)
 
 
 __all__ = ["release_everything", "write_failed_error"]

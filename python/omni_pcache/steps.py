@@ -165,10 +165,17 @@ class StepPages:
         still reads its page: nothing writes a page once the registry is closed). The write
         tasks' holds stay: a task queued by a save racing close is still written, and its
         writer releases its own."""
-        for page, holders in enumerate(self._staging.holders()):
-            for kind, step_id in holders:
-                if kind == "step":
-                    self._staging.release(page, (kind, step_id))
+        release_page_holders(self._staging, "step")
 
 
-__all__ = ["StepPages"]
+def release_page_holders(staging: StagingSlots, kind: str | None = None) -> None:
+    """Drops every holder of every staging page (``kind``: only holders of that kind, "step"
+    or "task"); the caller holds the ledger lock (a failure or close, after closing the
+    registry)."""
+    for page, holders in enumerate(staging.holders()):
+        for holder in holders:
+            if kind is None or holder[0] == kind:
+                staging.release(page, holder)
+
+
+__all__ = ["StepPages", "release_page_holders"]
