@@ -474,6 +474,26 @@ def test_close_wakes_a_save_waiting_for_a_staging_page() -> None:
     assert [type(exc) for exc in errors] == [CacheClosedError], errors
 
 
+def test_close_between_a_saves_checks_and_its_page_claim_consumes_its_step_id() -> None:
+    # close() on another thread lands after save checked the cache was usable and before it
+    # claimed a page without waiting (a page is free): the save raises CacheClosedError and
+    # leaves no step id outstanding and no page held, as the waiting claim's path does.
+    cache = small_cache(staging_depth=2)
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+    classify = cache._keys.classify
+
+    def close_then_classify(*args):
+        cache.close()  # (what another thread's close does at this moment)
+        return classify(*args)
+
+    cache._keys.classify = close_then_classify
+    with pytest.raises(CacheClosedError, match="the cache is closed"):
+        save_one(cache)
+    stats = cache.stats()
+    assert stats.steps_outstanding == [] and stats.staging_holders == [[], []]
+    assert stats.tasks_live == 0
+
+
 def test_returned_rows_are_copies_the_caller_may_write() -> None:
     with small_cache() as cache:
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1]), NewRequest("b", [2, 3])]))
