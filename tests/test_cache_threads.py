@@ -367,7 +367,7 @@ def test_written_tasks_are_forgotten_so_a_long_run_tracks_nothing_once_idle(defe
         cache.begin_step(StepEvents(finished=["r39"]))
         cache.flush()
         cache.begin_step(StepEvents())
-        assert list(cache._tasks.states()) == [] and cache._records == {} and cache._open_writes == {}
+        assert list(cache._tasks.states()) == [] and cache._records.by_task == {} and cache._records.open_writes == {}
         assert cache.stats().bytes_written == {"hidden": 40 * 4 * 2 * 4, "codes": 40 * 4 * 3 * 8}
         assert cache.stats().deferred_open == 0 and cache.stats().device_bytes == 0
 

@@ -35,7 +35,7 @@ from omni_pcache.claims import StepClaims
 from omni_pcache.committer import Committer
 from omni_pcache.config import CacheConfig, CachePolicy
 from omni_pcache.copy_engine import CopyEngine, CopyHandle
-from omni_pcache.deferred import DeferredRecord, DeferredWrites
+from omni_pcache.deferred import DeferredWrites
 from omni_pcache.errors import (
     CacheClosedError,
     ConfigError,
@@ -43,7 +43,6 @@ from omni_pcache.errors import (
     PrefixCacheError,
     TaskStateError,
     WriteFailedError,
-    WriteTimeoutError,
 )
 from omni_pcache.events import NewRequest, ResumedRequest, StepBatch, StepEvents, StepOutputs
 from omni_pcache.failure import release_everything, write_failed_error
@@ -59,7 +58,8 @@ from omni_pcache.snapshot import snapshot
 from omni_pcache.stats import CacheStats, Counters
 from omni_pcache.steps import StepPages
 from omni_pcache.validation import as_list, as_position_map, check_batch, check_timeout
-from omni_pcache.writes import PoolWriter, StepWrite, batch_groups
+from omni_pcache.write_records import WriteRecords
+from omni_pcache.writes import PoolWriter
 
 
 def _weakly(method: Callable[..., None]) -> Callable[..., None]:
@@ -99,16 +99,17 @@ class PrefixCache:
             self._tasks, self._ledger, self._staging, self._pool, self._preserved, self._cond, self._pages
         )
         self._storage = KeyStorage(self._pool, self._pages, self._writer.bytes_written)
+        self._counters = Counters()
+        self._records = WriteRecords(self._tasks, self._cond, self._failure_or_none, self._counters.waited)
         self._reader = HitReader(
             self._ledger,
             self._pool,
             self._preserved,
             self._cond,
-            self._wait_tasks,
-            lambda: self._failure,
-            self._open_deferred,
+            self._records.wait,
+            self._failure_or_none,
+            self._records.open_deferred,
         )
-        self._counters = Counters()
         self._steps = StepPages(
             config, self._staging, self._reader, self._preserved, self._cond, self._counters.waited, self._closed_error
         )
@@ -121,12 +122,6 @@ class PrefixCache:
             self._failure_or_none,
             self._cond,
         )
-        # Every task not yet forgotten (`_reap_completions`) -> the record holding it; a step's
-        # immediate tasks share one `StepWrite`.
-        self._records: dict[int, StepWrite | DeferredRecord] = {}
-        # Step writes with tasks not written yet, oldest first, where a finished request's writes
-        # are looked up to be escalated (pruned at `_reap_completions`; at most ~staging_depth).
-        self._open_writes: dict[int, StepWrite] = {}
         self._claims = StepClaims(
             self._tasks,
             self._ledger,
@@ -136,8 +131,8 @@ class PrefixCache:
             self._preserved,
             self._deferred,
             self._cond,
-            self._records,
-            self._open_writes,
+            self._records.by_task,
+            self._records.open_writes,
         )
         # What each live request's consumer has been given (native: `pcache_core::delivery`).
         self._delivery = Deliveries(config.block_size)
@@ -175,9 +170,9 @@ class PrefixCache:
         check_timeout(timeout_s, "flush timeout_s")
         timeout = self._config.claim_timeout_s if timeout_s is None else timeout_s
         with self._cond:
-            open_ids = {t for t, r in self._records.items() if not r.is_done(t) and not (r.deferred and not r.flushed)}
+            open_ids = self._records.unwritten()
         if open_ids:
-            self._wait_tasks(open_ids, time.monotonic() + timeout)
+            self._records.wait(open_ids, time.monotonic() + timeout)
         elif self._failure is not None:
             raise self._failure
 
@@ -194,7 +189,7 @@ class PrefixCache:
         self._finalizer()  # stops the committer once
         self._staging.close()
         with self._cond:
-            # (their records stay in ``_records``: a read under way still serves their rows from
+            # (their records stay in the write records: a read under way still serves their rows from
             # the clones, which stay readable for it, instead of the pool's unwritten slots)
             for task_id in self._deferred.drop_open():
                 self._tasks.fail(task_id)
@@ -230,7 +225,7 @@ class PrefixCache:
         if not isinstance(events, StepEvents):
             raise InvalidInputError(f"begin_step takes StepEvents, got {type(events).__name__}")
         self._copies.fence()  # (before the events register: a fence that raises leaves them unseen)
-        self._reap_completions()
+        self._records.reap()
         # (each read once into a list: a one-shot iterator of finished ids is read twice below)
         finished = as_list(events.finished, "StepEvents.finished")
         new = as_list(events.new, "StepEvents.new")
@@ -242,14 +237,9 @@ class PrefixCache:
         self._requests_live = len(self._delivery)  # (for `stats` on any thread: `Deliveries` is the engine thread's)
         flushed = 0
         try:
-            if self._open_writes or self._deferred.open:
+            if self._records.open_writes or self._deferred.open:
                 for req_id in finished:
-                    for write in self._open_writes.values():
-                        task_id = write.task_of(req_id)
-                        # Not forgotten yet (`_reap_completions` drops it from the native table; the
-                        # committer may have published it but not yet closed it in ``write.open``).
-                        if task_id is not None and task_id in self._records:
-                            self._tasks.escalate(task_id)
+                    self._records.escalate_unwritten(req_id)
                     flushed += self._deferred.finish(req_id)
             for req_id in reentered:
                 flushed += self._deferred.close_open(req_id)
@@ -434,12 +424,7 @@ class PrefixCache:
         in inline mode); `PoolWriter.write_batch` commits and releases them."""
         if self._failure is not None:
             raise self._failure
-        first = self._records[task_ids[0]]
-        if not first.deferred and task_ids == first.task_ids:  # a whole step, in order: the usual batch
-            groups = [(first, task_ids)]
-        else:
-            groups = batch_groups(task_ids, [self._records[t] for t in task_ids])
-        self._writer.write_batch(groups)
+        self._writer.write_batch(self._records.groups(task_ids))
 
     def _on_write_failure(self, task_id: int, exc: BaseException, what: str | None = None) -> None:
         """Makes the failure sticky and releases every page and waiter (the writing thread).
@@ -447,7 +432,7 @@ class PrefixCache:
         task's request and step when no record of it is kept."""
         with self._cond:
             if self._failure is None:
-                record = self._records.get(task_id)
+                record = self._records.by_task.get(task_id)
                 if what is None:
                     what = f"request {record.req_of(task_id)!r}, step {record.step_id}" if record else "unknown"
                 self._failure = write_failed_error(task_id, exc, what)
@@ -462,34 +447,13 @@ class PrefixCache:
                 self._ledger,
                 self._steps.records,
                 self._reader,
-                self._records,
+                self._records.by_task,
                 self._deferred,
                 self._staging,
             )
             self._cond.notify_all()
 
     # ---- any thread: materialize, discard ----------------------------------------------
-
-    def _wait_tasks(self, task_ids: set[int], deadline: float) -> None:
-        """Waits until each task has written the pool (materializing thread)."""
-        start = time.monotonic()
-        with self._cond:
-            while True:
-                if self._failure is not None:
-                    raise self._failure
-                open_ids = [t for t in task_ids if (r := self._records.get(t)) is not None and not r.is_done(t)]
-                if not open_ids:
-                    break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    states = {t: self._tasks.state(t) for t in open_ids}
-                    err = WriteTimeoutError(
-                        f"write tasks not in the pool after {time.monotonic() - start:.3g} s (task id: state): {states}"
-                    )
-                    err.states = states
-                    raise err
-                self._cond.wait(remaining)
-        self._counters.waited(time.monotonic() - start)
 
     def materialize(self, step_id: int, req_ids: Sequence[str]) -> StepOutputs:
         """Per-request outputs of step ``step_id`` (any thread, exactly once per step id).
@@ -517,30 +481,7 @@ class PrefixCache:
         self._check_usable()
         self._steps.finish(self._steps.take(step_id, None))
 
-    # ---- engine thread housekeeping and stats ------------------------------------------
-
-    def _open_deferred(self, task_id: int) -> DeferredRecord | None:
-        """The deferred record of ``task_id`` if its rows are not in the pool yet (any thread)."""
-        record = self._records.get(task_id)
-        return record if record is not None and record.deferred and not record.closed else None
-
-    def _reap_completions(self) -> None:
-        """Forgets written tasks (engine thread). Under the ledger lock: `flush`, `_wait_tasks` and
-        the failure path read ``_records`` from other threads under it. Nothing to do when no
-        task is recorded: only recorded tasks are published as complete (a step save wrote
-        itself is forgotten unpublished), and each stays recorded until reaped here."""
-        if not self._records and not self._open_writes:
-            return
-        forget = self._records.pop
-        with self._cond:  # (the native reap too: a waiter's timeout report asks it for the states)
-            completed = self._tasks.reap_completions()
-            for task_id in completed:
-                forget(task_id, None)
-            # (checked even when nothing completed now: a step's tasks may have been published
-            # before the committer closed them in ``open``, and reaped at the previous call)
-            written = [step_id for step_id, write in self._open_writes.items() if not write.open]
-            for step_id in written:
-                del self._open_writes[step_id]
+    # ---- stats -------------------------------------------------------------------------
 
     def stats(self) -> CacheStats:
         """A snapshot of the counters (any thread; works after a failure or close)."""

@@ -40,8 +40,8 @@ class StepClaims:
     """Claims steps' rows for their write tasks (engine thread, ledger lock; see the module doc).
 
     ``records`` (task id -> the record holding it) and ``open_writes`` (step id -> its
-    `StepWrite` while tasks of it are unwritten) are the cache's own maps, shared: a claim adds
-    to them, the cache forgets written tasks from them."""
+    `StepWrite` while tasks of it are unwritten) are the cache's `WriteRecords` maps, shared: a
+    claim adds to them, `WriteRecords.reap` forgets written tasks from them."""
 
     def __init__(
         self,
