@@ -15,9 +15,10 @@ default:
 setup:
     bash scripts/setup.sh
 
-# Build the native module into .venv (release build, editable Python sources).
+# Build the native module into .venv (release build, editable Python sources). PIP_QUIET:
+# maturin's pip step otherwise lists every already-installed dependency (~40 lines).
 develop:
-    maturin develop --quiet --release
+    PIP_QUIET=1 maturin develop --quiet --release
 
 # Run every test: Rust unit/property tests, then the Python suite (slow cases excluded).
 test: setup
