@@ -31,6 +31,12 @@ test-slow: setup develop
     PROPTEST_CASES=20000 cargo test -p pcache-core --release --quiet --test prop_ledger --test prop_task_state
     HYPOTHESIS_PROFILE=slow python -m pytest -q
 
+# The fast suite once per timing perturbation (tests/perturb.py: the committer's writes slowed,
+# its wake-ups late, the CPU copies slowed): a test that races the committer fails here every
+# time instead of once in a while under load (~9 min on 2 cores).
+test-perturbed: setup develop
+    for kind in slow-write late-wake slow-copy; do echo "perturbed: $kind"; OMNI_PCACHE_PERTURB=$kind python -m pytest -m "not slow" -q; done
+
 # The main job: the embedded engine with and without the cache, checked against each other.
 [positional-arguments]
 demo *ARGS: setup develop

@@ -1,4 +1,5 @@
-"""Shared test setup: hypothesis profiles and the `cuda` marker's skip."""
+"""Shared test setup: hypothesis profiles, the `cuda` marker's skip and the perturbed timing of
+`just test-perturbed` (tests/perturb.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,14 @@ def busy_switching(request: pytest.FixtureRequest):
     sys.setswitchinterval(getattr(request, "param", 1e-4))
     yield
     sys.setswitchinterval(before)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    kind = os.environ.get("OMNI_PCACHE_PERTURB")
+    if kind:  # (`just test-perturbed`: tests/perturb.py)
+        import perturb
+
+        perturb.install(kind)
 
 
 def _has_cuda() -> bool:
