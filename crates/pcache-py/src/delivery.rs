@@ -111,11 +111,6 @@ impl Deliveries {
         })
     }
 
-    /// Whether the request is live.
-    fn is_live(&self, req_id: &str) -> bool {
-        self.inner.is_live(req_id)
-    }
-
     fn __len__(&self) -> usize {
         self.inner.len()
     }
