@@ -35,11 +35,6 @@ impl StepIds {
         self.inner.consume(StepId(step_id)).py_err()
     }
 
-    /// Whether the id was issued and not yet consumed.
-    fn is_outstanding(&self, step_id: u64) -> bool {
-        self.inner.is_outstanding(StepId(step_id))
-    }
-
     /// Outstanding ids, oldest first.
     fn outstanding(&self) -> Vec<u64> {
         self.inner.outstanding().into_iter().map(|s| s.0).collect()
