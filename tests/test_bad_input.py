@@ -54,6 +54,10 @@ def snapshot(ledger: Ledger) -> tuple[list[int], list[int], int, int]:
         (np.zeros((2, 2), dtype=np.int64), "slots must be a 1-D integer array, got 2 dimensions"),
         ("not slots", "slots must be"),
         (torch.tensor([1.0, 2.0]), "slots must be an int64 or int32 array, got dtype float32"),
+        # (only an empty list is no slots: empty float arrays and lists of floats name their dtype)
+        ([1.5, 2.5], "slots must be an int64 or int32 array, got dtype float64"),
+        (np.array([], dtype=np.float64), "slots must be an int64 or int32 array, got dtype float64"),
+        (torch.tensor([]), "slots must be an int64 or int32 array, got dtype float32"),
     ],
 )
 def test_bad_claims_are_refused_and_change_nothing(ledger: Ledger, slots: object, message: str) -> None:
@@ -158,6 +162,28 @@ def test_unknown_task_ids_and_illegal_moves_on_write_tasks() -> None:
     assert tasks.state(task) == "COPYING"
 
 
+def test_write_tasks_count_live_tasks_and_queue_entries_stale_ones_included() -> None:
+    tasks = WriteTasks()
+    assert repr(tasks) == "WriteTasks(live=0, queue_entries=0)"
+    a, b = tasks.create_many(2)
+    tasks.enqueue(a, True)
+    tasks.enqueue(b, False)
+    tasks.start_copy(b)  # taken out of turn: its low-lane entry goes stale, still counted
+    assert (len(tasks), tasks.num_queue_entries) == (2, 2)
+    assert repr(tasks) == "WriteTasks(live=2, queue_entries=2)"
+    assert tasks.pop() == a and tasks.pop() is None  # (the stale entry is dropped on the way)
+    assert tasks.num_queue_entries == 0
+
+
+@pytest.mark.slow  # (it issues 2**24 tasks: ~15 s and ~3 GB)
+def test_create_many_issues_exactly_its_bound_and_refuses_one_more() -> None:
+    tasks = WriteTasks()
+    with pytest.raises(InvalidInputError, match=r"create_many\(16777217\): at most 16777216 tasks at once"):
+        tasks.create_many(2**24 + 1)
+    assert len(tasks) == 0, "a refused create_many issues nothing"
+    assert len(tasks.create_many(2**24)) == 2**24 == len(tasks)
+
+
 def test_step_ids_errors_list_outstanding() -> None:
     ids = StepIds()
     a, b = ids.issue(), ids.issue()
@@ -169,7 +195,7 @@ def test_step_ids_errors_list_outstanding() -> None:
     assert err.value.outstanding == [a]
     with pytest.raises(OverflowError):
         ids.consume(-1)
-    assert ids.outstanding() == [a]
+    assert ids.outstanding() == [a] and len(ids) == 1
 
 
 def test_staging_bad_input() -> None:

@@ -172,6 +172,24 @@ def test_a_step_run_writes_only_the_rows_its_tasks_still_own() -> None:
     np.testing.assert_array_equal(pool[4], np.full(4, 255, dtype=np.uint8))
 
 
+def test_a_key_with_nothing_to_copy_in_a_step_run_leaves_its_pool_alone() -> None:
+    """A key whose rows all moved on to a newer tenant, or whose rows are zero bytes wide, is
+    not copied at all: its pool is neither written nor checked (read-only or column-major is
+    fine), the run counts no row written, and the task ends WRITTEN."""
+    page = np.arange(16, dtype=np.uint8).reshape(4, 4)
+    for pool in (np.zeros((16, 4), np.uint8), np.zeros((16, 4), np.uint8, order="F")):
+        tasks, ledger, _, _, keys, ids = copying_step([0, 1])
+        ledger.claim(np.array([0, 1], dtype=np.int64), keys[0], tasks.create())  # both rows move on
+        if pool.flags.c_contiguous:
+            pool.flags.writeable = False
+        assert write_step_rows(tasks, ledger, ids, [0], [(keys[0], page, pool)]) == [0]
+        assert tasks.state(ids[0]) == "WRITTEN" and not pool.any()
+    tasks, ledger, _, _, keys, ids = copying_step([0, 1])
+    empty = (keys[0], np.zeros((4, 0), np.uint8), np.zeros((16, 0), np.uint8))
+    assert write_step_rows(tasks, ledger, ids, [0], [empty]) == [0]
+    assert tasks.state(ids[0]) == "WRITTEN"
+
+
 def test_a_step_run_that_does_not_fit_its_page_is_refused_before_anything_changes() -> None:
     tasks, ledger = WriteTasks(), Ledger(16)
     key = ledger.add_key()

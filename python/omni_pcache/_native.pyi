@@ -128,7 +128,6 @@ class StagingSlots:
     """The staging-slot ring; a slot is busy while any holder holds it. Any thread."""
 
     num_free: int
-    num_slots: int
     closed: bool
     def __init__(self, num_slots: int) -> None: ...
     def claim(self, holder: Holder, timeout_s: float = 0.0) -> int: ...

@@ -156,12 +156,6 @@ impl StagingSlots {
         self.inner.num_free()
     }
 
-    /// Number of slots.
-    #[getter]
-    fn num_slots(&self) -> usize {
-        self.inner.num_slots()
-    }
-
     /// Wakes every waiter with `CacheClosedError`; later claims raise it too. Idempotent.
     fn close(&self) {
         self.inner.close()
