@@ -311,6 +311,7 @@ def test_block_tables_accept_ints_numpy_ints_and_arrays_and_give_slots() -> None
         table = block_table(blocks, 8)
         assert table.dtype == np.int64 and table.tolist() == [7, 2, 5]
     assert block_slots(table, 3, 10, 4).tolist() == [31, 8, 9, 10, 11, 20, 21]
+    assert block_slots(table.astype(np.int32), 3, 10, 4).tolist() == [31, 8, 9, 10, 11, 20, 21]
     with pytest.raises(InvalidInputError, match=r"positions 0..13 do not fit a table of 3 blocks of 4"):
         block_slots(table, 0, 13, 4)
     # A block id whose slots overflow int64 is refused (its multiply wrapped to small slots).
