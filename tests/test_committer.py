@@ -44,12 +44,19 @@ def recording(written: list[int], done: dict[int, threading.Event]):
     return write
 
 
-def test_tasks_queued_while_the_committer_drains_are_written_without_another_notify() -> None:
+def two_tasks_and_a_committer():
+    """Two tasks on a `Racing` table, and a threaded committer recording what it writes into
+    ``written`` (setting ``done[task]`` as each lands)."""
     racing = Racing()
     first, second = racing.tasks.create(), racing.tasks.create()
     written: list[int] = []
     done = {first: threading.Event(), second: threading.Event()}
     committer = Committer(racing, recording(written, done), lambda *a: None, threaded=True)
+    return racing, first, second, written, done, committer
+
+
+def test_tasks_queued_while_the_committer_drains_are_written_without_another_notify() -> None:
+    racing, first, second, written, done, committer = two_tasks_and_a_committer()
     try:
 
         def engine_enqueues_second() -> None:  # (its notify finds the committer awake: no wake-up)
@@ -67,11 +74,7 @@ def test_tasks_queued_while_the_committer_drains_are_written_without_another_not
 
 
 def test_tasks_queued_as_stop_begins_are_written_before_the_thread_ends() -> None:
-    racing = Racing()
-    first, second = racing.tasks.create(), racing.tasks.create()
-    written: list[int] = []
-    done = {first: threading.Event(), second: threading.Event()}
-    committer = Committer(racing, recording(written, done), lambda *a: None, threaded=True)
+    racing, first, second, written, done, committer = two_tasks_and_a_committer()
     stopper: list[threading.Thread] = []
 
     def engine_enqueues_then_close_begins() -> None:
