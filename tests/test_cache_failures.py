@@ -573,3 +573,45 @@ def test_finishing_a_request_whose_task_was_reaped_while_its_step_is_still_open(
     stats = cache.stats()
     assert (stats.tasks_live, stats.steps_outstanding, stats.requests_live) == (0, [], 0)
     cache.close()
+
+
+@pytest.mark.parametrize("inline_write_bytes", [0, 1 << 20], ids=["committer-writes", "save-writes"])
+def test_a_failed_keep_aside_copy_fails_the_cache_instead_of_leaving_the_step_half_saved(inline_write_bytes) -> None:
+    # b's step plans a read of a's block 0; c's step reuses block 0 before b's is materialized,
+    # so its claim owes b a preserved copy of a's rows, taken from the pool inside save. When
+    # that copy fails (a device clone's read running out of memory, here a CPU stand-in), the
+    # owed rows are gone and the claims cannot be undone: the cache must fail (sticky, loud)
+    # rather than leave c's tasks claimed and never queued, its page held and its step id
+    # outstanding (b's read then waiting claim_timeout_s for rows no one will keep).
+    cache = small_cache(inline_write_bytes=inline_write_bytes, claim_timeout_s=30.0)
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+    cache.materialize(cache.save(rows(1, 0, 8), {}, StepBatch(["a"], [8], slots_of([0, 1], 0, 8, 4))), ["a"])
+    cache.flush()  # (a's rows in the pool: the copy owed is read from there)
+    cache.begin_step(StepEvents(new=[NewRequest("b", [0, 2], 4)], finished=["a"]))
+    hit_step = cache.save(rows(2, 4, 3), {}, StepBatch(["b"], [3], slots_of([0, 2], 4, 3, 4)))
+    cache.begin_step(StepEvents(new=[NewRequest("c", [0, 3])], finished=["b"]))
+    boom = MemoryError("injected: no memory for the preserved copy")
+
+    def fail(*args, **kwargs):
+        raise boom
+
+    cache._preserved.fill = fail
+    t0 = time.monotonic()
+    what = r"the copy of rows kept aside for pending reads \(step \d+\) failed.*no memory"
+    with pytest.raises(WriteFailedError, match=what) as err:
+        cache.save(rows(3, 0, 5), {}, StepBatch(["c"], [5], slots_of([0, 3], 0, 5, 4)))
+    assert err.value.__cause__ is boom
+    for call in (
+        lambda: cache.materialize(hit_step, ["b"]),  # (never served a's rows half kept, nor waits for them)
+        lambda: cache.begin_step(StepEvents()),
+        cache.flush,
+    ):
+        with pytest.raises(WriteFailedError, match="rows kept aside"):
+            call()
+    assert time.monotonic() - t0 < 10, "a call waited for the rows the failed copy never kept"
+    stats = cache.stats()
+    assert stats.staging_holders == [[], [], []], "every staging page released"
+    assert stats.reads_pending == 0
+    assert stats.steps_outstanding == [hit_step], "c's step id is consumed; b's is not, and raises the failure"
+    assert [state for _, state in cache._tasks.states() if state != "WRITTEN"] == ["FAILED"], "c's task failed"
+    cache.close()

@@ -25,7 +25,7 @@ def record_of_three_steps(budget: DeviceBudget) -> tuple[DeferredRecord, torch.T
         step_rows = torch.arange(step * 100, step * 100 + 30).reshape(10, 3)
         clone = Clone.of(step_rows, holders=2, budget=budget)
         budget.charge(clone.nbytes)
-        clone.owners.append(record)
+        clone.owners.append(record.task_id)
         clones.append(clone)
         record.append({"codes": clone}, start, count, np.arange(count) + 10 * step)
         expected.append(step_rows[start : start + count])

@@ -62,15 +62,16 @@ from omni_pcache.write_records import WriteRecords
 from omni_pcache.writes import PoolWriter
 
 
-def _weakly(method: Callable[..., None]) -> Callable[..., None]:
-    """``method`` called through a weak reference to its object; a no-op once that is gone
-    (what the committer thread holds of the cache, so that it does not keep the cache alive)."""
+def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` called through a weak reference to its object (returning what it returns); a
+    no-op returning None once that is gone. What the cache's parts and its committer thread
+    hold of the cache: no part refers back to it strongly, so a cache nobody holds is freed at
+    once (its pool, pages and device clones with it), not at the next cyclic collection."""
     ref = weakref.WeakMethod(method)
 
-    def call(*args: Any) -> None:
+    def call(*args: Any) -> Any:
         bound = ref()
-        if bound is not None:
-            bound(*args)
+        return None if bound is None else bound(*args)
 
     return call
 
@@ -100,26 +101,33 @@ class PrefixCache:
         )
         self._storage = KeyStorage(self._pool, self._pages, self._writer.bytes_written)
         self._counters = Counters()
-        self._records = WriteRecords(self._tasks, self._cond, self._failure_or_none, self._counters.waited)
+        failure_or_none = _weakly(self._failure_or_none)
+        self._records = WriteRecords(self._tasks, self._cond, failure_or_none, self._counters.waited)
         self._reader = HitReader(
             self._ledger,
             self._pool,
             self._preserved,
             self._cond,
             self._records.wait,
-            self._failure_or_none,
+            failure_or_none,
             self._records.open_deferred,
         )
         self._steps = StepPages(
-            config, self._staging, self._reader, self._preserved, self._cond, self._counters.waited, self._closed_error
+            config,
+            self._staging,
+            self._reader,
+            self._preserved,
+            self._cond,
+            self._counters.waited,
+            _weakly(self._closed_error),
         )
         self._outputs = OutputBuilder(self._reader, self._copies, self._counters, config.claim_timeout_s)
         self._deferred = DeferredWrites(
             config,
             self._tasks,
-            lambda: self._committer.notify(1),
+            _weakly(self._notify_one),
             self._counters.waited,
-            self._failure_or_none,
+            failure_or_none,
             self._cond,
         )
         self._claims = StepClaims(
@@ -196,6 +204,10 @@ class PrefixCache:
                 self._tasks.remove(task_id)
             self._steps.release_at_close()
             self._cond.notify_all()
+
+    def _notify_one(self) -> None:
+        """One task was queued (a deferred record flushed to make device budget room)."""
+        self._committer.notify(1)
 
     def _failure_or_none(self) -> WriteFailedError | None:
         return self._failure
@@ -324,6 +336,7 @@ class PrefixCache:
                 self._committer.notify(flushed)
         # A small all-CPU step is written here, before its hits are planned, while the committer
         # is idle: its tasks are never queued and no record of them is kept (see `_write_step_now`).
+        own_write_failed = False
         try:
             if not now:  # (rows in the page: written here once their copies are done)
                 now = small and handle.done() and self._committer.hold_writer()
@@ -335,10 +348,17 @@ class PrefixCache:
                 self._deferred.discard_clones(clones)  # (a refused claim holds nothing: nor does the step)
                 self._abandon_save(step_id, page, handle)
                 raise self._closed_error("the cache was closed during save") from None
-            self._claims.keep_aside(from_pool, from_deferred)  # (before this step's rows overwrite them)
-            own_write_failed = (
-                now and bool(task_ids) and self._write_step_now(step_id, page, shape, immediate, task_ids, arrays)
-            )
+            try:
+                self._claims.keep_aside(from_pool, from_deferred)  # (before this step's rows overwrite them)
+            except BaseException as exc:
+                # The rows pending reads are owed are lost and the claims cannot be undone: the
+                # cache fails (sticky), releasing the step's tasks, reads and page; save raises
+                # that failure below, as for a failure since the claims.
+                self._on_write_failure(-1, exc, f"the copy of rows kept aside for pending reads (step {step_id})")
+            else:
+                own_write_failed = (
+                    now and bool(task_ids) and self._write_step_now(step_id, page, shape, immediate, task_ids, arrays)
+                )
         finally:
             if now:
                 self._committer.release_writer()
@@ -427,13 +447,14 @@ class PrefixCache:
         self._writer.write_batch(self._records.groups(task_ids))
 
     def _on_write_failure(self, task_id: int, exc: BaseException, what: str | None = None) -> None:
-        """Makes the failure sticky and releases every page and waiter (the writing thread).
-        ``task_id`` is -1 when the committer itself failed outside a write; ``what`` names the
-        task's request and step when no record of it is kept."""
+        """Makes the failure sticky and releases every page and waiter (the writing thread, or
+        the engine thread for a copy in save). ``task_id`` is -1 for a failure outside a write:
+        ``what`` says what failed (default: the committer itself); for a task, ``what`` names
+        its request and step when no record of it is kept."""
         with self._cond:
             if self._failure is None:
                 record = self._records.by_task.get(task_id)
-                if what is None:
+                if what is None and task_id >= 0:
                     what = f"request {record.req_of(task_id)!r}, step {record.step_id}" if record else "unknown"
                 self._failure = write_failed_error(task_id, exc, what)
             self._cond.notify_all()

@@ -133,7 +133,7 @@ class StepClaims:
                     record.append(clones, start, count, slot_ids[start : start + count])
                     owners.append(record.task_id)
                     for spec in deferred:
-                        clones[spec.name].owners.append(record)
+                        clones[spec.name].owners.append(record.task_id)
                 for spec in deferred:
                     out = self._ledger.claim_many(slot_ids, counts, spec.key_id, owners)
                     if out.preserve_slots.size:

@@ -104,7 +104,10 @@ class Clone:
     tensor: torch.Tensor
     holders: int
     budget: DeviceBudget
-    owners: list = field(default_factory=list)  # the DeferredRecords holding a view
+    # The write tasks of the DeferredRecords holding a view (their ids, not the records: a record
+    # refers to its clones, and a cycle would keep an open record's clones on the device after
+    # a cache is dropped, until the next cyclic collection).
+    owners: list[int] = field(default_factory=list)
     ready: torch.cuda.Event | None = None  # recorded after the clone on the compute stream
 
     @classmethod
@@ -397,9 +400,10 @@ class DeferredWrites:
                 self._check_open()
                 self._flush(record)
             self._notify()
+            still_open = {r.task_id for r in self.open.values()}  # (a record leaves `open` only flushed or failed)
             for chunks in record.chunks.values():
                 for clone, _, _ in chunks:
-                    if id(clone) not in counted and all(r.flushed or r.closed for r in clone.owners):
+                    if id(clone) not in counted and still_open.isdisjoint(clone.owners):
                         counted.add(id(clone))
                         freed += clone.nbytes
         start = time.monotonic()

@@ -9,10 +9,14 @@ from omni_pcache.errors import InvalidInputError, WriteFailedError
 from omni_pcache.steps import release_page_holders
 
 
-def write_failed_error(task_id: int, exc: BaseException, what: str) -> WriteFailedError:
-    """The sticky error for task ``task_id`` (-1: the committer itself failed outside a write),
-    whose request and step ``what`` names, caused by ``exc``."""
-    failed = f"write task#{task_id} ({what})" if task_id >= 0 else "the committer thread"
+def write_failed_error(task_id: int, exc: BaseException, what: str | None) -> WriteFailedError:
+    """The sticky error for task ``task_id``, whose request and step ``what`` names, caused by
+    ``exc``; for -1 (a failure outside a write), ``what`` is what failed (None: the committer
+    thread itself)."""
+    if task_id >= 0:
+        failed = f"write task#{task_id} ({what})"
+    else:
+        failed = "the committer thread" if what is None else what
     err = WriteFailedError(
         f"{failed} failed: {exc!r}; every later call raises this error: close the cache and build a new one"
     )
