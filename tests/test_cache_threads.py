@@ -137,7 +137,9 @@ def test_cpu_staging_copies_run_on_the_committer_not_in_save(monkeypatch) -> Non
         assert copiers == ["omni-pcache-committer"]  # the fence and materialize found the copy done
 
 
-def test_saved_cpu_tensors_may_be_reused_after_the_next_begin_step(monkeypatch) -> None:
+@pytest.mark.parametrize("fence", ["begin_step", "fence"])
+def test_saved_cpu_tensors_may_be_reused_after_the_next_begin_step_or_fence(monkeypatch, fence: str) -> None:
+    # `fence` alone, for a forward no step begins (a dummy run), makes them the caller's too.
     from omni_pcache import copy_engine
 
     monkeypatch.setattr(copy_engine, "INLINE_COPY_BYTES", 0)  # every CPU copy deferred
@@ -150,12 +152,17 @@ def test_saved_cpu_tensors_may_be_reused_after_the_next_begin_step(monkeypatch) 
         sid = cache.save(h.clone(), {}, StepBatch(["a"], [4], np.arange(4)))
         buffer = h.clone()
         sid2 = cache.save(buffer, {}, StepBatch(["a"], [4], np.arange(4, 8)))
-        cache.begin_step(StepEvents(finished=["a"]))  # the fence: the buffer is the caller's again
+        finished = ["a"]
+        if fence == "fence":
+            cache.fence()  # the buffer is the caller's again
+        else:
+            cache.begin_step(StepEvents(finished=finished))  # the fence: the buffer is the caller's again
+            finished = []
         buffer.fill_(-1.0)
         gate.set()
         assert torch.equal(cache.materialize(sid2, ["a"]).hidden["a"], h)
         cache.discard(sid)
-        cache.begin_step(StepEvents(new=[NewRequest("b", [0, 1, 2], 8)]))
+        cache.begin_step(StepEvents(new=[NewRequest("b", [0, 1, 2], 8)], finished=finished))
         out = cache.materialize(cache.save(torch.ones(1, 2), {}, StepBatch(["b"], [1], np.array([8]))), ["b"])
         assert torch.equal(out.hidden["b"], torch.cat([h, h, torch.ones(1, 2)]))
 

@@ -4,6 +4,8 @@ CPU path. Skipped without a GPU; `just gpu-check` runs these on a GPU machine.""
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 from typing import NamedTuple
 
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from cachekit import slots_of, small_cache
-from omni_pcache import CachePolicy, NewRequest, StepBatch, StepEvents
+from omni_pcache import CachePolicy, InvalidInputError, NewRequest, StepBatch, StepEvents
 from omni_pcache.copy_engine import CopyEngine, CopyHandle, StepCopy, empty_host
 from omni_pcache.deferred import DeferredRecord
 
@@ -86,14 +88,19 @@ SLEEP_CYCLES = 50_000_000  # ~25 ms of the compute stream: the save's copies wai
 BIG_ROWS, BIG_WIDTH = 16, 1 << 18  # 16 MiB of fp32: its copy takes a while
 
 
-def test_the_fence_keeps_the_next_forward_off_rows_still_being_copied() -> None:
+@pytest.mark.parametrize("fence", ["begin_step", "fence"])
+def test_the_fence_keeps_the_next_forward_off_rows_still_being_copied(fence: str) -> None:
+    # (`fence` alone: a dummy forward, which no step begins, replaying the same CUDA graph)
     expected = torch.randn(BIG_ROWS, BIG_WIDTH)
     with small_cache() as cache:
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2, 3])]))
         hidden = expected.to("cuda")
         torch.cuda._sleep(SLEEP_CYCLES)  # the forward still runs when save returns
         sid = cache.save(hidden, {}, StepBatch(["a"], [BIG_ROWS], slots_of([0, 1, 2, 3], 0, BIG_ROWS, BS)))
-        cache.begin_step(StepEvents())  # the fence
+        if fence == "fence":
+            cache.fence()
+        else:
+            cache.begin_step(StepEvents())  # the fence
         hidden.fill_(-1)  # the next forward writes the same buffer: after the save's copy, on the device
         out = cache.materialize(sid, ["a"])
     assert torch.equal(out.hidden["a"], expected)
@@ -284,3 +291,53 @@ def test_cuda_leftovers_come_back_on_the_host_even_read_in_place(monkeypatch: py
         kept = out.mm["prosody"]["a"]
         assert isinstance(kept, Prosody) and kept.label == "calm"
         assert kept.pitch.device.type == "cpu" and torch.equal(kept.pitch, torch.full((3,), 2.0))
+
+
+TWO_GPU_SCRIPT = """
+import threading
+
+import numpy as np
+import torch
+
+from omni_pcache import CacheConfig, CachePolicy, NewRequest, PrefixCache, StepBatch, StepEvents
+
+torch.cuda.set_device(1)
+policy = CachePolicy(token_keys={"codes"}, deferred_keys={"codes"})
+with PrefixCache(CacheConfig(num_blocks=8, block_size=4, staging_capacity_tokens=16), policy) as cache:
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+    codes = torch.arange(16, device="cuda:1").reshape(8, 2)
+    sid = cache.save(torch.ones(8, 2, device="cuda:1"), {"codes": codes}, StepBatch(["a"], [8], np.arange(8)))
+    got = {}
+    reader = threading.Thread(target=lambda: got.update(out=cache.materialize(sid, ["a"])))
+    reader.start()
+    reader.join()
+    assert torch.equal(got["out"].mm["codes"]["a"], codes.cpu())
+    cache.begin_step(StepEvents(finished=["a"]))  # the committer copies a's record to the host
+    cache.flush()
+print("context on GPU 0:", torch._C._cuda_hasPrimaryContext(0))
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_reading_clones_on_gpu_1_from_other_threads_creates_no_context_on_gpu_0() -> None:
+    # A worker owning GPU 1 (a later pipeline stage, all GPUs visible): the materializing
+    # thread and the committer, which never set a device, read its deferred clones; that must
+    # not create a CUDA context on GPU 0 (hundreds of MiB of another worker's memory). A fresh
+    # process: this one has a context on GPU 0 already.
+    result = subprocess.run([sys.executable, "-c", TWO_GPU_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "context on GPU 0: False" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr"])
+def test_a_sparse_cuda_leftover_is_refused_and_the_save_holds_nothing(layout: str) -> None:
+    dense = torch.eye(3, device="cuda")
+    leftover = dense.to_sparse() if layout == "sparse_coo" else dense.to_sparse_csr()
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        batch = StepBatch(["a"], [4], slots_of([0], 0, 4, BS))
+        with pytest.raises(InvalidInputError, match=rf"leftover mm 'x' holds a {layout} CUDA tensor.*\.to_dense"):
+            cache.save(torch.ones(4, 2, device="cuda"), {"x": [leftover]}, batch)
+        assert cache.stats().steps_outstanding == [] and cache.stats().staging_holders == [[], [], []]
+        sid = cache.save(torch.ones(4, 2, device="cuda"), {"x": [dense]}, batch)  # the corrected retry
+        assert torch.equal(cache.materialize(sid, ["a"]).mm["x"]["a"][0], dense.cpu())

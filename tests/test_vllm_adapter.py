@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -547,6 +548,7 @@ def test_the_mixin_is_a_no_op_on_other_ranks(rank) -> None:
     out = runner.pcache_materialize(first, ["A", "E"])
     assert out.hidden is None and out.mm == {}
     runner.pcache_discard(second)
+    runner.pcache_fence()
     assert not any(dataclasses.astuple(runner.pcache_stats())), "zero counters, nothing listed"
     assert len(runner._pcache_state.tracker) == 0  # no tracking off the output rank
     runner.pcache_shutdown()
@@ -557,8 +559,10 @@ def test_the_mixin_does_nothing_without_a_cache() -> None:
         pass
 
     runner = R()
+    runner.pcache_fence()  # (before pcache_init: a dummy run at warm-up)
     off = stage_configs(T) | {"cache_config": v.CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False)}
     assert not runner.pcache_init(**off, is_last_pipeline_stage=True, tensor_parallel_rank=0)
+    runner.pcache_fence()
     so = scheduler_output(T, RECORDED[0])
     runner.pcache_begin_step(so)
     assert runner.pcache_save(torch.zeros(18, 4), {}, so, ["A", "E"]) is None
@@ -566,6 +570,36 @@ def test_the_mixin_does_nothing_without_a_cache() -> None:
     runner.pcache_discard(None)
     assert runner.pcache is None and runner.pcache_stats() is None
     runner.pcache_shutdown()
+
+
+def test_a_dummy_runs_fence_makes_the_saved_outputs_the_runners_again(monkeypatch) -> None:
+    # An idle data-parallel rank's dummy forward (no pcache_begin_step) reuses the output buffer
+    # the last save's copy reads: pcache_fence first makes that copy land before the buffer is
+    # overwritten. (CPU stand-in: the copy goes to the committer, held back until after.)
+    from omni_pcache import copy_engine
+
+    monkeypatch.setattr(copy_engine, "INLINE_COPY_BYTES", 0)
+    runner = Runner("scheduler", "inline")
+    assert runner.pcache_init(**stage_configs(T), is_last_pipeline_stage=True, tensor_parallel_rank=0)
+    runner.pcache_fence()  # (before the first step: no cache yet, nothing to wait for)
+    state = runner._pcache_state
+    state.config = dataclasses.replace(state.config, inline_write_bytes=0)  # (no step written inside save)
+    try:
+        so = scheduler_output(T, RECORDED[0])
+        runner.pcache_begin_step(so)
+        gate = threading.Event()
+        write = runner.pcache._writer.write_batch
+        runner.pcache._writer.write_batch = lambda groups: (gate.wait(10), write(groups))
+        expected = torch.randn(18, 4)
+        buffer = expected.clone()
+        step_id = runner.pcache_save(buffer, {}, so, ["A", "E"])
+        runner.pcache_fence()  # the dummy run
+        buffer.fill_(-1.0)  # its forward overwrites the output buffer
+        gate.set()
+        out = runner.pcache_materialize(step_id, ["A", "E"])
+        assert torch.equal(torch.cat([out.hidden["A"], out.hidden["E"]]), expected)
+    finally:
+        runner.pcache_shutdown()
 
 
 def test_a_step_id_kept_across_a_kv_cache_re_init_is_refused_before_and_after_the_first_step() -> None:

@@ -262,6 +262,14 @@ class PrefixCache:
         if hits or misses:
             self._counters.requests(hits, misses)
 
+    def fence(self) -> None:
+        """Makes the next forward wait for the last save's copies (engine thread; on CUDA the host
+        does not block), as `begin_step` does first: call it before a forward no `begin_step`
+        precedes, such as vLLM's dummy run on an idle data-parallel rank, whose CUDA-graph replay
+        would otherwise overwrite the graph's output buffer while the last step's rows are
+        still being copied from it. The saved tensors are the caller's again after it."""
+        self._copies.fence()
+
     def save(self, hidden: torch.Tensor | None, mm: dict[str, Any] | None, batch: StepBatch) -> int:
         """Saves one step's outputs and returns its step id (engine thread, after the forward).
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,7 +41,10 @@ def reading(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
     thread's clone-read stream for its device (made on first use, gone with the thread), so
     the copy waits only for itself; for a CPU clone, nothing. The copies made in it are
     synchronous (the host reads their result at once), so the clone needs no
-    ``record_stream``."""
+    ``record_stream``. The clone's device is made the thread's current one for the context
+    (`_on_device`): the committer and output threads never set one, and leaving a stream
+    context entered from another device would set device 0 again, creating a CUDA context
+    there (hundreds of MiB) in a worker that owns another GPU."""
     if not tensor.is_cuda:
         return contextlib.nullcontext()
     streams = getattr(_read_streams, "by_device", None)
@@ -52,7 +56,16 @@ def reading(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
         # low-priority one would in time be some cache's side stream, and a synchronous
         # clone read would wait behind that stream's copies, which wait for the forward)
         stream = streams[tensor.device] = torch.cuda.Stream(device=tensor.device, priority=-1)
-    return torch.cuda.stream(stream)
+    return _on_device(stream)
+
+
+@contextlib.contextmanager
+def _on_device(stream: torch.cuda.Stream) -> Iterator[None]:
+    """``stream`` current on its device, that device current for the thread, and both as they
+    were after (`torch.cuda.device` restores the previous device without creating a context
+    on it; the stream context, entered on the stream's own device, switches none)."""
+    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+        yield
 
 
 class DeviceBudget:

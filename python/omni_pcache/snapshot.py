@@ -18,10 +18,18 @@ def snapshot(value: Any, engine: StepCopy, name: str = "") -> Any:
     the reader must wait the step's copy handle before reading them), containers (dicts, lists,
     tuples, namedtuples) are rebuilt, numpy arrays copied, anything else deep-copied (a device
     tensor inside another object is then copied on its device). Raises `InvalidInputError`,
-    naming the leftover ``name``, for a value that cannot be deep-copied or a meta tensor."""
+    naming the leftover ``name``, for a value that cannot be deep-copied, a meta tensor, or a
+    sparse or quantized CUDA tensor."""
     if isinstance(value, torch.Tensor):
         if value.is_meta:
             raise InvalidInputError(f"leftover mm {name!r} holds a meta tensor: it has no data to hand back")
+        if value.is_cuda and (value.layout != torch.strided or value.is_quantized):
+            # (a dense pinned copy cannot hold it, and a synchronous one would wait for the forward)
+            kind = "quantized" if value.is_quantized else str(value.layout).removeprefix("torch.")
+            raise InvalidInputError(
+                f"leftover mm {name!r} holds a {kind} CUDA tensor: save copies device leftovers into dense "
+                "host memory without waiting for the forward; pass it dense (.to_dense()) or on the CPU"
+            )
         return engine.snapshot(value)
     if isinstance(value, dict):
         return {k: snapshot(v, engine, name) for k, v in value.items()}

@@ -12,6 +12,7 @@ A runner class lists the mixin as a base and calls (see the README, "Using it in
    requests and before any KV transfer: updates the block tracker and calls ``begin_step``.
 4. ``pcache_save(hidden, mm, scheduler_output, req_ids, num_tokens_padded)`` after the forward
    (only steps that ran one) → a step id to carry with the step's state.
+   ``pcache_fence()`` before every forward that has no ``pcache_begin_step`` (dummy runs).
 5. ``pcache_materialize(step_id, req_ids)`` in the output builder (any thread, possibly a step
    late) → `StepOutputs`, or ``pcache_discard(step_id)`` when nothing downstream needs them.
    Each step id must be consumed exactly once.
@@ -138,6 +139,16 @@ class PrefixCacheRunnerMixin:
         except BaseException:  # (a refused step leaves the tracker as it was, as it leaves the cache)
             undo()
             raise
+
+    def pcache_fence(self) -> None:
+        """Before a forward that has no ``pcache_begin_step`` (vLLM's dummy runs: an idle
+        data-parallel rank's ``execute_dummy_batch``, V2's ``execute_model(dummy_run=True)``):
+        makes it wait for the last save's device-to-host copies, which may still be reading a
+        CUDA-graph output buffer the dummy forward overwrites (`PrefixCache.fence`). A no-op
+        before the first step and without a cache."""
+        state = self._pcache_state
+        if state is not None and state.cache is not None:
+            state.cache.fence()
 
     def pcache_save(
         self,

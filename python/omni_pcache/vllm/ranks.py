@@ -45,6 +45,9 @@ class NoOpCache:
     def begin_step(self, events: StepEvents) -> None:
         pass
 
+    def fence(self) -> None:
+        pass
+
     def save(self, hidden: Any, mm: dict[str, Any] | None, batch: StepBatch) -> int:
         return next(self._ids)
 
