@@ -105,7 +105,7 @@ gpu-wheels: setup
 gpu-check:
     bash scripts/gpu_check.sh
 
-# The vLLM adapter against vLLM 0.33's real types, in a separate cached env (.venv-vllm: ~340 MB download once).
+# The vLLM adapter against vLLM 0.33's real types and its real scheduler, in a separate cached env (.venv-vllm: ~340 MB download once).
 test-vllm: setup develop
     bash scripts/setup-vllm.sh
-    VLLM_TARGET_DEVICE=cpu OMNI_PCACHE_REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest -q tests/test_vllm_real.py
+    VLLM_TARGET_DEVICE=cpu OMNI_PCACHE_REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest -q tests/test_vllm_real.py tests/test_vllm_scheduler.py

@@ -11,8 +11,9 @@ class CacheStats:
     """A snapshot of a cache's counters.
 
     ``hits``/``misses`` count new requests with and without a prefix hit. Rows served for
-    hits are split by where they came from: the pool, a write still in flight when the hit
-    was planned (served after waiting for it), or a copy preserved when the block was reused.
+    hits (``rows_*``, counted once per cached key: a 40-row hit with hidden states and one mm
+    key adds 80) are split by where they came from: the pool, a write still in flight when the
+    hit was planned (served after waiting for it), or a copy preserved when the block was reused.
     ``num_waits``/``wait_time_s`` cover every blocking wait (free staging page, in-flight
     write, preserved copy). ``bytes_written`` has every cached key the cache has seen (the
     hidden states as ``"hidden"``), with the bytes written to its pool so far (0 until its

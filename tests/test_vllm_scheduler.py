@@ -1,0 +1,268 @@
+"""The vLLM adapter driven by vLLM 0.33's REAL scheduler (skipped where vLLM cannot be imported).
+
+Run with `just test-vllm`'s environment: ``VLLM_TARGET_DEVICE=cpu OMNI_PCACHE_REQUIRE_VLLM=1
+.venv-vllm/bin/python -m pytest -q tests/test_vllm_scheduler.py``. No GPU, no weights, no network.
+
+Where tests/test_vllm_real.py replays recorded SchedulerOutputs built from vLLM's types, here
+vLLM's own ``Scheduler`` (``AsyncScheduler`` with async scheduling) makes every decision —
+prefix hits, chunked prefill, preemption and resume, aborts, frees and block reuse — and its
+SchedulerOutputs go straight through `PrefixCacheRunnerMixin` into a real `PrefixCache`; a
+deterministic causal stand-in for the model (tests/vllm_sched_driver.py) computes the rows and
+samples the tokens that ``update_from_output`` feeds back. Each test runs the engine loop to the
+end and checks every request's rows, concatenated over its steps, against its full-sequence
+rows, bit for bit, and that the scenario did what it is about (hits, chunks, preemptions, ...),
+so that none can pass trivially. Each runs with the scheduler talking to the V1 model runner
+(resumed requests in ``resumed_req_ids``) and to the V2 one (resumed requests sent again as new).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import warnings
+
+import pytest
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    if os.environ.get("OMNI_PCACHE_REQUIRE_VLLM"):  # `just test-vllm`: a broken install fails, never skips
+        import vllm  # noqa: F401
+    else:
+        pytest.importorskip("vllm", reason="vLLM is not installed here (run `just test-vllm`)")
+    from vllm.v1.request import RequestStatus
+
+    import vllm_sched_driver as d
+    from vllm_sched_driver import Req, check_full_sequences, continuation, make_stage, run
+
+    d.model_config()  # (reads the stub model's config once, under the same warning filter)
+
+RUNNERS = pytest.mark.parametrize("v2", [False, True], ids=["v1-runner", "v2-runner"])
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, d.VOCAB) for _ in range(n)]
+
+
+@RUNNERS
+def test_shared_prefixes_hit(v2: bool) -> None:
+    """Requests sharing long prefixes: hits on a finished request's blocks, a hit reaching into
+    another request's generated tokens, identical prompts, and hits on blocks computed in the
+    same step."""
+    rng = random.Random(1)
+    base = tokens(rng, 48)
+    a = [*base, *tokens(rng, 5)]
+    reqs = [
+        Req("a", a, max_tokens=12),
+        Req("b", [*base[:40], *tokens(rng, 7)], max_tokens=6, arrival=3),  # hits 40 of a's prompt
+        Req("a-again", list(a), max_tokens=12, arrival=20),  # a finished: its whole prompt but the last block
+        # a's prompt and 9 of its outputs as a prompt: the hit reaches into a's generated tokens
+        Req("a-continued", continuation(a, len(a) + 9), max_tokens=5, arrival=22),
+    ]
+    fresh = tokens(rng, 30)  # two requests arriving together: the second hits the first's blocks
+    reqs += [Req("c", [*fresh, 7, 8], max_tokens=4, arrival=30), Req("d", [*fresh, 9], max_tokens=4, arrival=30)]
+    result = run(make_stage(v2=v2), reqs)
+    check_full_sequences(result)
+    c = result.counters
+    assert c.first_computed == {"a": 0, "b": 40, "a-again": 52, "a-continued": 60, "c": 0, "d": 28}
+    st = result.stats
+    assert c.same_step_hits == 1 and st.hits == 4
+    # Every hit row served, once per cached key (the hidden states and "codes").
+    assert st.rows_from_pool + st.rows_in_flight + st.rows_preserved == 2 * (40 + 52 + 60 + 28)
+
+
+@RUNNERS
+@pytest.mark.parametrize("long_prefill_token_threshold", [0, 6])
+def test_chunked_prefill(v2: bool, long_prefill_token_threshold: int) -> None:
+    """A 16-token step budget: an 80-token prompt is prefilled over several steps. Without a
+    long-prefill threshold it takes the whole budget and the requests sharing its prefix hit it
+    once it is done; with a 6-token threshold, prefill chunks of three requests run side by
+    side with a decode, and two requests hit blocks of prompts still being prefilled, some
+    computed in that very step."""
+    rng = random.Random(2)
+    base = tokens(rng, 64)
+    reqs = [
+        Req("long", [*base, *tokens(rng, 16)], max_tokens=8),
+        Req("decoder", tokens(rng, 6), max_tokens=30),
+        Req("follower", [*base[:60], *tokens(rng, 6)], max_tokens=8, arrival=2),
+        Req("second", [*base[:50], *tokens(rng, 40)], max_tokens=8, arrival=3),
+    ]
+    stage = make_stage(
+        max_num_batched_tokens=16, max_num_seqs=4, long_prefill_token_threshold=long_prefill_token_threshold, v2=v2
+    )
+    result = run(stage, reqs)
+    check_full_sequences(result)
+    c = result.counters
+    assert c.hits == 2 and c.preemptions == 0
+    if long_prefill_token_threshold:
+        assert c.partial_prefills >= 30 and c.same_step_hits == 2
+        assert c.first_computed["follower"] < 64 and c.first_computed["second"] < 50  # mid-prefill hits
+    else:
+        assert c.partial_prefills >= 4 and c.first_computed["follower"] == 60 and c.first_computed["second"] == 48
+
+
+@RUNNERS
+def test_preemption_and_resume(v2: bool) -> None:
+    """Too few KV blocks for ten growing requests: vLLM preempts running requests (freeing their
+    blocks) and resumes them later, recomputing from whatever prefix is still cached."""
+    rng = random.Random(3)
+    base = tokens(rng, 16)
+    reqs = [Req(f"r{i}", [*base, *tokens(rng, 4 + i)], max_tokens=24) for i in range(10)]
+    result = run(make_stage(num_blocks=40, max_num_batched_tokens=64, v2=v2), reqs)
+    check_full_sequences(result)
+    c = result.counters
+    assert c.preemptions >= 3 and c.hits >= 5 and c.reused_blocks >= 1
+    resumed, other = (c.resumed_v2, c.resumed_v1) if v2 else (c.resumed_v1, c.resumed_v2)
+    assert resumed == c.preemptions and other == 0 and c.resumed_with_hit >= 1
+
+
+@RUNNERS
+@pytest.mark.parametrize("output_thread", [False, True], ids=["engine-thread", "output-thread"])
+def test_async_scheduling(v2: bool, output_thread: bool) -> None:
+    """`AsyncScheduler` with vLLM's batch queue: step N+1 is scheduled and run before step N's
+    output is materialized (one step late, on the engine thread or an output thread) and
+    reaches update_from_output; requests are preempted and aborted while a step computing them
+    is still in flight."""
+    rng = random.Random(4)
+    base = tokens(rng, 16)
+    reqs = [
+        Req(f"r{i}", [*base, *tokens(rng, 4 + i)], max_tokens=24, arrival=i // 4, abort_at=12 if i in (2, 5) else None)
+        for i in range(10)
+    ]
+    stage = make_stage(num_blocks=40, max_num_batched_tokens=64, async_scheduling=True, v2=v2)
+    result = run(stage, reqs, output_thread=output_thread)
+    check_full_sequences(result)
+    c = result.counters
+    assert type(result.runner.stage.scheduler).__name__ == "AsyncScheduler" and c.max_in_flight == 2
+    assert c.stale_preemptions >= 1 and c.aborted_in_flight >= 1 and c.hits >= 5
+
+
+@RUNNERS
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_abort_mid_run(v2: bool, async_scheduling: bool) -> None:
+    """``finish_requests(..., FINISHED_ABORTED)`` on a request still waiting, one in the middle of
+    its chunked prefill and one decoding; a later request hits the blocks the aborted ones
+    computed (vLLM keeps them cached), and the blocks freed are reused."""
+    rng = random.Random(5)
+    base = tokens(rng, 64)
+    reqs = [
+        Req("decoding", [*base[:24], *tokens(rng, 3)], max_tokens=30, abort_at=12),
+        Req("prefilling", [*base, *tokens(rng, 40)], max_tokens=8, arrival=1, abort_at=4),
+        Req("waiting", [*base[:8], *tokens(rng, 5)], max_tokens=8, arrival=5, abort_at=5),
+        Req("late", [*base, *tokens(rng, 3)], max_tokens=8, arrival=14),
+        Req("other", tokens(rng, 50), max_tokens=20, arrival=2),
+    ]
+    stage = make_stage(num_blocks=64, max_num_batched_tokens=16, async_scheduling=async_scheduling, v2=v2)
+    result = run(stage, reqs)
+    counts = check_full_sequences(result)
+    c = result.counters
+    status, computed, prompt = c.aborted["waiting"]
+    assert status == RequestStatus.WAITING and computed == 0 and counts["waiting"] == 0
+    status, computed, prompt = c.aborted["prefilling"]
+    assert status == RequestStatus.RUNNING and 0 < computed < prompt
+    status, computed, prompt = c.aborted["decoding"]
+    assert status == RequestStatus.RUNNING and computed > prompt
+    assert result.requests["decoding"].status == RequestStatus.FINISHED_ABORTED
+    # "late" hits the prefix the aborted "prefilling" computed (beyond what "decoding" shares).
+    assert c.first_computed["late"] > 24 and result.runner.computed_upto("prefilling") >= c.first_computed["late"]
+    assert c.reused_blocks >= 1
+
+
+@RUNNERS
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_streaming_input_session(v2: bool, async_scheduling: bool) -> None:
+    """A resumable request (a streaming-input session) over three turns. Turn 1 ends on a stop
+    token; vLLM keeps the turn's tokens but the last sampled one and appends the next input
+    chunk, then sends the session again as a new request with the same id. Under async
+    scheduling a step computing the stop token's position is in flight when the turn ends:
+    vLLM drops its output (drop_stale_output) and the rewind comes back as the next chunk's."""
+    rng = random.Random(6)
+    prompt = tokens(rng, 10)
+    stop = continuation(prompt, 14)[-1]  # the 4th token sampled
+    assert stop not in continuation(prompt, 13)[10:]
+    session = Req(
+        "s", prompt, max_tokens=20, turns=[(tokens(rng, 6), 4, 15), (tokens(rng, 9), 3, 25)], end_at=40, stop=stop
+    )
+    result = run(make_stage(async_scheduling=async_scheduling, v2=v2), [session, Req("o", tokens(rng, 20), 30)])
+    counts = check_full_sequences(result)
+    c = result.counters
+    assert c.session_chunks == 2 and c.dropped_outputs == (1 if async_scheduling else 0)
+    # Turn 1: 10 + 4 sampled, the stop token dropped (13 kept); turn 2: 13 + 6 + 4 sampled (22
+    # kept); turn 3: 22 + 9 + 3 sampled: positions 0..32 were inputs.
+    assert counts["s"] == 33 and result.requests["s"].status == RequestStatus.FINISHED_ABORTED
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_workloads(seed: int) -> None:
+    """Seeded mixes of all of the above: pool size, block size, step budget, batch size, long
+    prefill threshold, async scheduling, runner kind, arrivals, aborts and duplicate prompts."""
+    rng = random.Random(seed)
+    block_size = rng.choice([2, 4, 8])
+    num_blocks = rng.choice([24, 32, 48, 96])
+    budget = rng.choice([8, 16, 32, 64])
+    stage = make_stage(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_batched_tokens=budget,
+        max_num_seqs=min(budget, rng.choice([2, 4, 8])),
+        async_scheduling=rng.random() < 0.5,
+        v2=rng.random() < 0.5,
+        long_prefill_token_threshold=rng.choice([0, 0, 6]),
+    )
+    capacity = (num_blocks - 1) * block_size  # (a request larger than the pool never runs)
+    shared_len = rng.choice([12, 24, 40])
+    bases = [tokens(rng, shared_len) for _ in range(3)]
+    spread, abort_rate = rng.choice([0, 5, 30]), rng.choice([0, 0.2, 0.5])
+    reqs: list[Req] = []
+    for i in range(rng.randrange(5, 25)):
+        if reqs and rng.random() < 0.2:
+            prompt = list(rng.choice(reqs).prompt)
+        else:
+            prompt = [*rng.choice(bases)[: rng.randrange(1, shared_len)], *tokens(rng, rng.randrange(1, 12))]
+            prompt = prompt[: capacity // 2]
+        arrival = rng.randrange(spread + 1)
+        abort_at = arrival + rng.randrange(20) if rng.random() < abort_rate else None
+        max_tokens = max(1, min(rng.randrange(1, 20), capacity - len(prompt)))
+        reqs.append(Req(f"r{i}", prompt, max_tokens, arrival, abort_at))
+    result = run(stage, reqs, order_seed=seed, output_thread=rng.random() < 0.3)
+    check_full_sequences(result)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_workloads_with_sessions(seed: int) -> None:
+    """Seeded mixes where half the requests are streaming-input sessions (up to three turns,
+    most with a stop token), with aborts, async scheduling and both runner kinds. (Sessions
+    hold their KV blocks between turns, so the pools are large enough that they cannot starve
+    one another.)"""
+    rng = random.Random(1000 + seed)
+    block_size, budget = rng.choice([2, 4, 8]), rng.choice([8, 16, 32, 64])
+    num_blocks = rng.choice([48, 96])
+    stage = make_stage(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_batched_tokens=budget,
+        max_num_seqs=min(budget, rng.choice([2, 4, 8])),
+        async_scheduling=rng.random() < 0.6,
+        v2=rng.random() < 0.5,
+        long_prefill_token_threshold=rng.choice([0, 0, 6]),
+    )
+    quarter = (num_blocks - 1) * block_size // 4
+    bases = [tokens(rng, 24) for _ in range(3)]
+    spread, abort_rate = rng.choice([0, 5, 30]), rng.choice([0, 0.1, 0.3])
+    reqs: list[Req] = []
+    for i in range(rng.randrange(3, 15)):
+        prompt = [*rng.choice(bases)[: rng.randrange(1, 24)], *tokens(rng, rng.randrange(1, 8))][:quarter]
+        arrival = rng.randrange(spread + 1)
+        abort_at = arrival + rng.randrange(40) if rng.random() < abort_rate else None
+        r = Req(f"r{i}", prompt, max(1, min(rng.randrange(1, 12), quarter)), arrival, abort_at)
+        if rng.random() < 0.5:
+            k = rng.randrange(1, r.max_tokens + 1)  # stop on the k-th token sampled in turn 1
+            r.stop = continuation(prompt, len(prompt) + k)[-1] if rng.random() < 0.7 else None
+            t = arrival
+            for _ in range(rng.randrange(3)):
+                t += rng.randrange(1, 25)
+                r.turns.append((tokens(rng, rng.randrange(1, 8)), rng.randrange(1, 8), t))
+            r.end_at = t + rng.randrange(25)
+        reqs.append(r)
+    result = run(stage, reqs, order_seed=seed, output_thread=rng.random() < 0.3)
+    check_full_sequences(result)
