@@ -589,6 +589,7 @@ def test_a_failed_keep_aside_copy_fails_the_cache_instead_of_leaving_the_step_ha
     cache.flush()  # (a's rows in the pool: the copy owed is read from there)
     cache.begin_step(StepEvents(new=[NewRequest("b", [0, 2], 4)], finished=["a"]))
     hit_step = cache.save(rows(2, 4, 3), {}, StepBatch(["b"], [3], slots_of([0, 2], 4, 3, 4)))
+    cache.flush()  # (b's own rows written: only c's task is left for the failure to fail)
     cache.begin_step(StepEvents(new=[NewRequest("c", [0, 3])], finished=["b"]))
     boom = MemoryError("injected: no memory for the preserved copy")
 
