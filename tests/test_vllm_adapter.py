@@ -572,10 +572,24 @@ def test_the_mixin_does_nothing_without_a_cache() -> None:
     runner.pcache_shutdown()
 
 
-def test_a_dummy_runs_fence_makes_the_saved_outputs_the_runners_again(monkeypatch) -> None:
-    # An idle data-parallel rank's dummy forward (no pcache_begin_step) reuses the output buffer
-    # the last save's copy reads: pcache_fence first makes that copy land before the buffer is
-    # overwritten. (CPU stand-in: the copy goes to the committer, held back until after.)
+@pytest.mark.parametrize("output", ["inline", "late"])
+def test_warm_ups_before_and_between_steps_leave_the_cache_and_tracker_untouched(output: str) -> None:
+    # V2's kernel warm-up runs execute_model on hand-built SchedulerOutputs at start and again
+    # at an elastic-EP rescale; inside pcache_warmup they neither build the cache, nor reach the
+    # tracker (their request ids are the real steps' own here: tracked, step 1 would be refused or
+    # A continued), nor leave step ids unconsumed, and every row still comes out right.
+    runner = replay(T, output=output, warm_up_before=frozenset({1, 3, 5}))
+    stats = runner.pcache_stats()
+    assert (stats.hits, stats.misses, stats.steps_outstanding, stats.requests_live) == (3, 3, [], 0)
+    assert runner._pcache_warmups == 0
+
+
+@pytest.mark.parametrize("dummy", ["pcache_fence", "warm-up"])
+def test_a_dummy_runs_fence_makes_the_saved_outputs_the_runners_again(monkeypatch, dummy: str) -> None:
+    # An idle data-parallel rank's dummy forward (no pcache_begin_step) or a warm-up's
+    # (pcache_begin_step inside pcache_warmup) reuses the output buffer the last save's copy
+    # reads: the fence first makes that copy land before the buffer is overwritten. (CPU
+    # stand-in: the copy goes to the committer, held back until after.)
     from omni_pcache import copy_engine
 
     monkeypatch.setattr(copy_engine, "INLINE_COPY_BYTES", 0)
@@ -593,7 +607,11 @@ def test_a_dummy_runs_fence_makes_the_saved_outputs_the_runners_again(monkeypatc
         expected = torch.randn(18, 4)
         buffer = expected.clone()
         step_id = runner.pcache_save(buffer, {}, so, ["A", "E"])
-        runner.pcache_fence()  # the dummy run
+        if dummy == "pcache_fence":
+            runner.pcache_fence()  # the dummy run
+        else:
+            with runner.pcache_warmup():
+                runner.pcache_begin_step(scheduler_output(T, RECORDED[1]))  # (not tracked: would be refused)
         buffer.fill_(-1.0)  # its forward overwrites the output buffer
         gate.set()
         out = runner.pcache_materialize(step_id, ["A", "E"])

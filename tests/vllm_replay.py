@@ -336,6 +336,20 @@ class Runner(PrefixCacheRunnerMixin):
         else:
             self.hand_off((step_id, req_ids))
 
+    def warm_up(self, t: Any, scenario: Scenario) -> None:
+        """A V2-style kernel warm-up inside ``pcache_warmup``: ``execute_model`` on hand-built
+        SchedulerOutputs (here the scenario's first step, whose request ids the real steps use
+        too, with junk rows, then their finish) whose outputs nobody consumes."""
+        first = scenario.steps[0]
+        with self.pcache_warmup():
+            for step in (first, Step(finished={r.req_id for r in first.new})):
+                so = scheduler_output(t, step, scenario)
+                self.pcache_begin_step(so)
+                if so.total_num_scheduled_tokens:
+                    n, req_ids = so.total_num_scheduled_tokens, self.row_order(so, 0)
+                    junk = torch.full((n, 4), -1.0, dtype=torch.float64), {"codes": torch.full((n,), -1)}
+                    assert self.pcache_save(*junk, so, req_ids) is None, "a warm-up step has no step id"
+
     def finish(self) -> None:
         if self._pending is not None:
             self.hand_off(self._pending)
@@ -354,11 +368,13 @@ def replay(
     output: str = "inline",
     scenario: Scenario = RECORDED_SCENARIO,
     refused_before: dict[int, tuple[Step, type[BaseException], str]] | None = None,
+    warm_up_before: frozenset[int] = frozenset(),
 ) -> Runner:
     """Replays a scenario through a mixin runner with a real, threaded `PrefixCache`; asserts
     the slot mapping of every step and every request's concatenated rows. ``refused_before``
     maps a step number to a SchedulerOutput sent before it that ``pcache_begin_step`` must
-    refuse (its error type and a message pattern) without changing the block tracker."""
+    refuse (its error type and a message pattern) without changing the block tracker. A
+    warm-up (`Runner.warm_up`) runs before each step number in ``warm_up_before``."""
     runner = Runner(order, output, scenario.tokens)
     runner.pcache_load_policy(CachePolicy(token_keys=frozenset({"codes"})))
     assert runner.pcache_init(**stage_configs(t, scenario), is_last_pipeline_stage=True, tensor_parallel_rank=0)
@@ -366,6 +382,10 @@ def replay(
     bs = scenario.block_size
     try:
         for step_no, step in enumerate(scenario.steps, start=1):
+            if step_no in warm_up_before:
+                runner.warm_up(t, scenario)
+                if step_no == 1:
+                    assert runner.pcache is None, "a warm-up before the first step builds no cache"
             if refused_before and step_no in refused_before:
                 bad, error, message = refused_before[step_no]
                 tracker = runner._pcache_state.tracker

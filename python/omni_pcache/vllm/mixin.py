@@ -12,21 +12,25 @@ A runner class lists the mixin as a base and calls (see the README, "Using it in
    requests and before any KV transfer: updates the block tracker and calls ``begin_step``.
 4. ``pcache_save(hidden, mm, scheduler_output, req_ids, num_tokens_padded)`` after the forward
    (only steps that ran one) → a step id to carry with the step's state.
-   ``pcache_fence()`` before every forward that has no ``pcache_begin_step`` (dummy runs).
+   ``pcache_fence()`` before every forward that has no ``pcache_begin_step`` (dummy runs), and
+   ``with pcache_warmup():`` around a warm-up that calls ``execute_model`` on hand-built
+   SchedulerOutputs (the V2 runner's).
 5. ``pcache_materialize(step_id, req_ids)`` in the output builder (any thread, possibly a step
    late) → `StepOutputs`, or ``pcache_discard(step_id)`` when nothing downstream needs them.
    Each step id must be consumed exactly once.
 6. ``pcache_shutdown()`` before CUDA teardown (idempotent).
 
 On a stage without a cache (prefix caching off, pooling) every hook is a no-op, ``pcache_save``
-returns ``None`` and ``pcache_materialize(None, ...)`` returns ``None``. On ranks that produce
-no outputs the hooks run a `NoOpCache` and skip the block tracking. The mixin defines no
-``__init__``: its state lives in one attribute, ``_pcache_state``, set by ``pcache_init``.
+returns ``None`` and ``pcache_materialize(None, ...)`` returns ``None`` (as inside
+``pcache_warmup``). On ranks that produce no outputs the hooks run a `NoOpCache` and skip the
+block tracking. The mixin defines no ``__init__``: its state lives in ``_pcache_state``, set by
+``pcache_init``, and ``_pcache_warmups``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +62,7 @@ class PrefixCacheRunnerMixin:
 
     _pcache_state: PcacheState | None = None
     _pcache_policy: CachePolicy | None = None
+    _pcache_warmups: int = 0  # (how many `pcache_warmup` contexts are open)
 
     # ---- KV-cache init and model load ----------------------------------------------------
 
@@ -122,11 +127,28 @@ class PrefixCacheRunnerMixin:
         state = self._pcache_state
         return None if state is None else state.cache
 
+    @contextlib.contextmanager
+    def pcache_warmup(self) -> Iterator[None]:
+        """Keeps the cache out of forwards run on hand-built SchedulerOutputs whose outputs nobody
+        consumes: the V2 runner's kernel warm-up (``Worker.compile_or_warm_up_model``, at start
+        and again at an elastic-EP rescale) calls ``execute_model`` with ``dummy_run=False``. Inside
+        it ``pcache_begin_step`` only fences (`pcache_fence`: the warm-up forward waits for the
+        last real save's copies) and neither builds the cache nor tracks the requests, and
+        ``pcache_save`` returns ``None`` (nothing to consume). Engine thread; nests."""
+        self._pcache_warmups += 1
+        try:
+            yield
+        finally:
+            self._pcache_warmups -= 1
+
     def pcache_begin_step(self, scheduler_output: Any) -> None:
         """Tells the cache about one SchedulerOutput (start of ``execute_model``, before the
         runner drops finished requests). Builds the cache at the first call."""
         state = self._pcache_state
         if state is None:
+            return
+        if self._pcache_warmups:
+            self.pcache_fence()
             return
         if state.cache is None:
             make = PrefixCache if state.output_rank else NoOpCache
@@ -161,7 +183,7 @@ class PrefixCacheRunnerMixin:
         """Saves the forward's outputs (rows in ``req_ids`` order, ``num_tokens_padded`` rows
         when CUDA graphs pad) and returns the step id, ``None`` without a cache."""
         state = self._pcache_state
-        if state is None:
+        if state is None or self._pcache_warmups:
             return None
         if state.cache is None:
             raise ConfigError("pcache_save before pcache_begin_step: every step must begin first")
