@@ -236,6 +236,7 @@ class Counters:
     partial_prefills: int = 0  # scheduled prefill chunks that did not reach the end of the tokens
     session_chunks: int = 0  # streaming sessions' next chunks scheduled
     dropped_outputs: int = 0  # step outputs update_from_output dropped (drop_stale_output)
+    resets: int = 0  # reset_prefix_cache(reset_running_requests=True) calls
     reused_blocks: int = 0  # blocks written by a request other than the one that wrote them before
     max_in_flight: int = 0
     aborted: dict[str, tuple[RequestStatus, int, int]] = field(default_factory=dict)  # status, computed, prompt
@@ -486,12 +487,20 @@ class Result:
 
 
 def run(
-    stage: Stage, reqs: list[Req], *, order_seed: int = 0, output_thread: bool = False, max_iters: int = 5000
+    stage: Stage,
+    reqs: list[Req],
+    *,
+    order_seed: int = 0,
+    output_thread: bool = False,
+    max_iters: int = 5000,
+    reset_at: frozenset[int] = frozenset(),
 ) -> Result:
     """Runs the requests to completion through vLLM's scheduler and the runner; each step's rows
     are materialized where vLLM's output builder would: inline, or one step late under async
     scheduling (when the step's output is taken for ``update_from_output``), on the engine
-    thread or, with ``output_thread``, handed to a thread of their own."""
+    thread or, with ``output_thread``, handed to a thread of their own. At each iteration in
+    ``reset_at`` the engine resets the prefix cache with ``reset_running_requests=True``
+    (between steps: under async scheduling while steps are in flight)."""
     sched = stage.scheduler
     seqs = {r.req_id: Tokens(list(r.prompt)) for r in reqs}
     runner = Runner(stage, seqs, order_seed)
@@ -544,6 +553,9 @@ def run(
                     c.aborted[r] = (req.status, req.num_computed_tokens, req.num_prompt_tokens)
                 c.aborted_in_flight += len(in_flight.intersection(aborts))
                 sched.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)
+            if it in reset_at:
+                c.resets += 1
+                assert sched.reset_prefix_cache(reset_running_requests=True)
             pending = any(r.end_at is not None and r.end_at > it for r in reqs)
             if not arrivals and not pending and not sched.has_requests() and not batch_queue:
                 break
@@ -559,15 +571,16 @@ def run(
             if not batch_queue:
                 continue
             so, step_no, step_id, req_ids, out = batch_queue.pop()
-            # Outputs of a streaming session that update_from_output discards, so its consumer
-            # never gets them: the stale output of a turn that ended while a step computing it
-            # was in flight (drop_stale_output), and any output once the session is aborted.
-            # (Every other output is kept, an aborted request's included, and checked.)
+            # Outputs that update_from_output discards, so their consumer never gets them: the
+            # stale output of a step in flight when a streaming session's turn ended or the
+            # prefix cache was reset with its running requests (drop_stale_output), and any
+            # output once a session is aborted. (Every other output is kept, an aborted
+            # request's included, and checked.)
             dropped = frozenset(
                 r
                 for r in req_ids
-                if (q := requests[r]).resumable
-                and (q.is_finished() or (q.num_stale_output_tokens > 0 and q.drop_stale_output))
+                if ((q := requests[r]).resumable and q.is_finished())
+                or (q.num_stale_output_tokens > 0 and q.drop_stale_output)
             )
             c.dropped_outputs += len(dropped)
             runner.dropped |= {(step_no, r) for r in dropped}
