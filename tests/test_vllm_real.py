@@ -16,19 +16,16 @@ replayed through the mixin with a real cache; the gate is checked against real c
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from types import SimpleNamespace
 
 import pytest
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+from vllm_replay import import_vllm_or_skip
+
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    if os.environ.get("OMNI_PCACHE_REQUIRE_VLLM"):  # `just test-vllm`: a broken install fails, never skips
-        import vllm  # noqa: F401
-    else:
-        pytest.importorskip("vllm", reason="vLLM is not installed here (run `just test-vllm`)")
+    import_vllm_or_skip()
     import torch
     from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
     from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy

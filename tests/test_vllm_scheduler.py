@@ -17,19 +17,16 @@ so that none can pass trivially. Each runs with the scheduler talking to the V1 
 
 from __future__ import annotations
 
-import os
 import random
 import warnings
 
 import pytest
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+from vllm_replay import import_vllm_or_skip
+
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    if os.environ.get("OMNI_PCACHE_REQUIRE_VLLM"):  # `just test-vllm`: a broken install fails, never skips
-        import vllm  # noqa: F401
-    else:
-        pytest.importorskip("vllm", reason="vLLM is not installed here (run `just test-vllm`)")
+    import_vllm_or_skip()
     from vllm.v1.request import RequestStatus
 
     import vllm_sched_driver as d
@@ -192,23 +189,30 @@ def test_streaming_input_session(v2: bool, async_scheduling: bool) -> None:
     assert counts["s"] == 33 and result.requests["s"].status == RequestStatus.FINISHED_ABORTED
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_random_workloads(seed: int) -> None:
-    """Seeded mixes of all of the above: pool size, block size, step budget, batch size, long
-    prefill threshold, async scheduling, runner kind, arrivals, aborts and duplicate prompts."""
-    rng = random.Random(seed)
-    block_size = rng.choice([2, 4, 8])
-    num_blocks = rng.choice([24, 32, 48, 96])
-    budget = rng.choice([8, 16, 32, 64])
+def random_stage(rng: random.Random, pool_sizes: list[int], async_share: float):
+    """A seeded stage: block size, pool size (one of ``pool_sizes``), step budget, batch size,
+    long-prefill threshold, runner kind, and async scheduling in ``async_share`` of them.
+    Returns the stage, its block size and its number of blocks."""
+    block_size, budget = rng.choice([2, 4, 8]), rng.choice([8, 16, 32, 64])
+    num_blocks = rng.choice(pool_sizes)
     stage = make_stage(
         num_blocks=num_blocks,
         block_size=block_size,
         max_num_batched_tokens=budget,
         max_num_seqs=min(budget, rng.choice([2, 4, 8])),
-        async_scheduling=rng.random() < 0.5,
+        async_scheduling=rng.random() < async_share,
         v2=rng.random() < 0.5,
         long_prefill_token_threshold=rng.choice([0, 0, 6]),
     )
+    return stage, block_size, num_blocks
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_workloads(seed: int) -> None:
+    """Seeded mixes of all of the above: pool size, block size, step budget, batch size, long
+    prefill threshold, async scheduling, runner kind, arrivals, aborts and duplicate prompts."""
+    rng = random.Random(seed)
+    stage, block_size, num_blocks = random_stage(rng, [24, 32, 48, 96], async_share=0.5)
     capacity = (num_blocks - 1) * block_size  # (a request larger than the pool never runs)
     shared_len = rng.choice([12, 24, 40])
     bases = [tokens(rng, shared_len) for _ in range(3)]
@@ -235,17 +239,7 @@ def test_random_workloads_with_sessions(seed: int) -> None:
     hold their KV blocks between turns, so the pools are large enough that they cannot starve
     one another.)"""
     rng = random.Random(1000 + seed)
-    block_size, budget = rng.choice([2, 4, 8]), rng.choice([8, 16, 32, 64])
-    num_blocks = rng.choice([48, 96])
-    stage = make_stage(
-        num_blocks=num_blocks,
-        block_size=block_size,
-        max_num_batched_tokens=budget,
-        max_num_seqs=min(budget, rng.choice([2, 4, 8])),
-        async_scheduling=rng.random() < 0.6,
-        v2=rng.random() < 0.5,
-        long_prefill_token_threshold=rng.choice([0, 0, 6]),
-    )
+    stage, block_size, num_blocks = random_stage(rng, [48, 96], async_share=0.6)
     quarter = (num_blocks - 1) * block_size // 4
     bases = [tokens(rng, 24) for _ in range(3)]
     spread, abort_rate = rng.choice([0, 5, 30]), rng.choice([0, 0.1, 0.3])

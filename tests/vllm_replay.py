@@ -24,6 +24,7 @@ sequence runs with both.
 from __future__ import annotations
 
 import hashlib
+import os
 import queue
 import random
 import threading
@@ -148,6 +149,29 @@ class Scenario:
 
 
 RECORDED_SCENARIO = Scenario(RECORDED, TOKENS, PROMPTS, EXPECTED_ROWS)
+
+
+def import_vllm_or_skip() -> None:
+    """Imports vLLM for a real-type test module (call it under a warnings filter, at import):
+    with ``OMNI_PCACHE_REQUIRE_VLLM`` set (`just test-vllm`) a broken install fails, never
+    skips; otherwise the module is skipped where vLLM is not installed."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    if os.environ.get("OMNI_PCACHE_REQUIRE_VLLM"):
+        import vllm  # noqa: F401
+    else:
+        pytest.importorskip("vllm", reason="vLLM is not installed here (run `just test-vllm`)")
+
+
+def padded_step(rows: list[list[float]], codes: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A forward's outputs from its rows: the hidden states and the per-token ``codes``, padded
+    CUDA-graph style to a multiple of 8 rows with junk."""
+    n = len(rows)
+    padded = -(-n // 8) * 8
+    hidden = torch.full((padded, 4), -7.0, dtype=torch.float64)
+    hidden[:n] = torch.tensor(rows, dtype=torch.float64)
+    code_t = torch.full((padded,), -7, dtype=torch.int64)
+    code_t[:n] = torch.tensor(codes, dtype=torch.int64)
+    return hidden, {"codes": code_t}
 
 
 def digest(tokens: list[int]) -> int:
@@ -294,13 +318,7 @@ class Runner(PrefixCacheRunnerMixin):
             for pos in range(start, start + so.num_scheduled_tokens[req_id]):
                 rows.append(hidden_row(self.tokens[req_id], pos))
                 codes.append(1000 * pos + self.tokens[req_id][pos])
-        n = len(rows)
-        padded = -(-n // 8) * 8  # CUDA-graph style padding with junk rows
-        hidden = torch.full((padded, 4), -7.0, dtype=torch.float64)
-        hidden[:n] = torch.tensor(rows, dtype=torch.float64)
-        code_t = torch.full((padded,), -7, dtype=torch.int64)
-        code_t[:n] = torch.tensor(codes, dtype=torch.int64)
-        return hidden, {"codes": code_t}
+        return padded_step(rows, codes)
 
     def consume(self, step_id: int, req_ids: list[str]) -> None:
         out = self.pcache_materialize(step_id, req_ids)

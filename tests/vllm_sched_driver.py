@@ -61,7 +61,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from omni_pcache import CachePolicy
 from omni_pcache.vllm import PrefixCacheRunnerMixin
-from vllm_replay import digest, full_rows, hidden_row
+from vllm_replay import digest, full_rows, hidden_row, padded_step
 
 ARCH = "OmniPcacheStubForCausalLM"
 VOCAB = 1000
@@ -312,13 +312,8 @@ class Runner(PrefixCacheRunnerMixin):
             else:
                 sampled.append([])
                 self.counters.partial_prefills += 1
-        n = len(rows)
-        padded = -(-n // 8) * 8  # CUDA-graph style padding with junk rows
-        hidden = torch.full((padded, 4), -7.0, dtype=torch.float64)
-        hidden[:n] = torch.tensor(rows, dtype=torch.float64)
-        code_t = torch.full((padded,), -7, dtype=torch.int64)
-        code_t[:n] = torch.tensor(codes, dtype=torch.int64)
-        step_id = self.pcache_save(hidden, {"codes": code_t}, so, list(req_ids), num_tokens_padded=padded)
+        hidden, mm = padded_step(rows, codes)
+        step_id = self.pcache_save(hidden, mm, so, list(req_ids), num_tokens_padded=hidden.shape[0])
         out = ModelRunnerOutput(
             req_ids=list(req_ids), req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled
         )
