@@ -642,3 +642,84 @@ def test_a_failed_keep_aside_copy_fails_the_cache_instead_of_leaving_the_step_ha
     assert stats.steps_outstanding == [hit_step], "c's step id is consumed; b's is not, and raises the failure"
     assert [state for _, state in cache._tasks.states() if state != "WRITTEN"] == ["FAILED"], "c's task failed"
     cache.close()
+
+
+class _Proxy:
+    """``real`` with some attributes replaced (native objects take no new attributes)."""
+
+    def __init__(self, real, **replaced) -> None:
+        self._real = real
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+
+def test_a_keep_aside_failure_waits_for_the_committers_batch_before_releasing_everything() -> None:
+    # save fails its keep-aside copy (engine thread) while the committer writes a's batch. The
+    # failure lists the live tasks and fails each; had the committer written a's task in between,
+    # that fail was refused (TaskStateError from save, the cleanup cut short: staging left open,
+    # b's task PENDING and a page holder kept after close). The failure holds the writer's lock,
+    # as every other one does, so a's batch lands first and the release sees it written.
+    cache = small_cache(inline_write_bytes=0, claim_timeout_s=30.0)
+    go, listed, written = threading.Event(), threading.Event(), threading.Event()
+    write_batch, write_step, tasks = cache._writer.write_batch, cache._writer.write_step, cache._tasks
+    cache._writer.write_batch = lambda groups: (go.wait(10), write_batch(groups))[1]
+    cache._writer.write_step = lambda *args: (listed.wait(0.5), write_step(*args), written.set())[1]
+    # (the failure's listing of the tasks lets the committer write before it fails them)
+    cache._tasks = _Proxy(tasks, states=lambda: (tasks.states(), listed.set(), written.wait(2))[0])
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+    sid = cache.save(rows(1, 0, 8), {}, StepBatch(["a"], [8], slots_of([0, 1], 0, 8, 4)))  # (its write held)
+    cache.begin_step(StepEvents(new=[NewRequest("b", [2])]))
+
+    def failing_keep_aside(*args) -> None:
+        go.set()  # a's batch starts: the failure races it
+        raise MemoryError("injected: keep-aside copy failed")
+
+    cache._claims.keep_aside = failing_keep_aside
+    with pytest.raises(WriteFailedError, match=r"kept aside for pending reads.*injected: keep-aside copy failed"):
+        cache.save(rows(2, 0, 4), {}, StepBatch(["b"], [4], slots_of([2], 0, 4, 4)))
+    cache._tasks = tasks
+    assert sorted(state for _, state in tasks.states()) == ["FAILED", "WRITTEN"], "a's written, b's failed"
+    with pytest.raises(WriteFailedError):
+        cache.materialize(sid, ["a"])
+    cache.close()
+    stats = cache.stats()
+    assert stats.staging_holders == [[], [], []] and stats.reads_pending == 0, stats
+
+
+def test_close_between_begin_steps_flushes_of_two_finished_requests_still_writes_the_first() -> None:
+    # a and b finish with open deferred records; close (another thread) stops the committer after
+    # begin_step queued a's record and before b's: b's flush raises CacheClosedError. a's record,
+    # queued after the committer's last drain, must still be written (close writes what is
+    # queued), not left QUEUED with its clone charged.
+    cache = small_cache(inline_write_bytes=0, policy=CachePolicy(token_keys={"codes"}, deferred_keys={"codes"}))
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0]), NewRequest("b", [1])]))
+    cache.discard(
+        cache.save(torch.ones(8, 2), {"codes": torch.ones(8, 3)}, StepBatch(["a", "b"], [4, 4], np.arange(8)))
+    )
+    cache.flush()
+    stopped, a_flushed, closed = threading.Event(), threading.Event(), threading.Event()
+    finish, staging = cache._deferred.finish, cache._staging
+
+    def paused_finish(req_id: str) -> int:
+        if req_id == "a":  # (after the committer's last drain: close is stopping it)
+            stopped.wait(10)
+            try:
+                return finish(req_id)
+            finally:
+                a_flushed.set()
+        closed.wait(10)  # (b's after close forgot the open records)
+        return finish(req_id)
+
+    cache._deferred.finish = paused_finish
+    cache._staging = _Proxy(staging, close=lambda: (stopped.set(), a_flushed.wait(10), staging.close())[2])
+    engine, errors = start_thread(cache.begin_step, StepEvents(finished=["a", "b"]))
+    cache.close()
+    closed.set()
+    engine.join(10)
+    cache._staging = staging
+    assert len(errors) == 1 and isinstance(errors[0], CacheClosedError), errors
+    stats = cache.stats()
+    assert (stats.device_bytes, stats.tasks_live, stats.deferred_open) == (0, 0, 0), stats
+    assert stats.bytes_written["codes"] == 4 * 3 * 4, "a's rows were written; b's open record was dropped"

@@ -256,6 +256,8 @@ class PrefixCache:
             for req_id in reentered:
                 flushed += self._deferred.close_open(req_id)
         except (TaskStateError, CacheClosedError):  # a failure or close (another thread) meanwhile
+            if flushed:  # (records queued before it are written, as close writes what is queued)
+                self._committer.notify(flushed)
             raise self._closed_error("the cache is closed") from None
         if flushed:
             self._committer.notify(flushed)
@@ -361,8 +363,10 @@ class PrefixCache:
             except BaseException as exc:
                 # The rows pending reads are owed are lost and the claims cannot be undone: the
                 # cache fails (sticky), releasing the step's tasks, reads and page; save raises
-                # that failure below, as for a failure since the claims.
-                self._on_write_failure(-1, exc, f"the copy of rows kept aside for pending reads (step {step_id})")
+                # that failure below, as for a failure since the claims. It holds the writer's
+                # lock, as every other failure does (the committer's batch lands first).
+                with contextlib.nullcontext() if now else self._committer.writer_held():
+                    self._on_write_failure(-1, exc, f"the copy of rows kept aside for pending reads (step {step_id})")
             else:
                 own_write_failed = (
                     now and bool(task_ids) and self._write_step_now(step_id, page, shape, immediate, task_ids, arrays)
@@ -456,9 +460,10 @@ class PrefixCache:
 
     def _on_write_failure(self, task_id: int, exc: BaseException, what: str | None = None) -> None:
         """Makes the failure sticky and releases every page and waiter (the writing thread, or
-        the engine thread for a copy in save). ``task_id`` is -1 for a failure outside a write:
-        ``what`` says what failed (default: the committer itself); for a task, ``what`` names
-        its request and step when no record of it is kept."""
+        the engine thread for a copy in save: always holding the pool writer's lock).
+        ``task_id`` is -1 for a failure outside a write: ``what`` says what failed (default:
+        the committer itself); for a task, ``what`` names its request and step when no record
+        of it is kept."""
         with self._cond:
             if self._failure is None:
                 record = self._records.by_task.get(task_id)

@@ -16,9 +16,10 @@ the thread ends: waiters get the sticky error instead of a timeout.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from omni_pcache._native import WriteTasks
 
@@ -94,6 +95,14 @@ class Committer:
 
     def release_writer(self) -> None:
         self._writing.release()
+
+    @contextlib.contextmanager
+    def writer_held(self) -> Iterator[None]:
+        """Holds the pool writer's lock, waiting for a batch being written (any thread but the
+        committer's): what a failure outside a write holds, so that releasing every task and
+        page hold never races the committer moving them."""
+        with self._writing:
+            yield
 
     def _drain(self) -> None:
         with self._writing:

@@ -409,11 +409,11 @@ class DeferredWrites:
         for record in oldest_first:
             if freed >= overflow:
                 break
-            with self._lock:
+            with self._lock:  # (close or a failure clears `open` under it: never mid-iteration)
                 self._check_open()
                 self._flush(record)
+                still_open = {r.task_id for r in self.open.values()}  # (a record leaves `open` only flushed or failed)
             self._notify()
-            still_open = {r.task_id for r in self.open.values()}  # (a record leaves `open` only flushed or failed)
             for chunks in record.chunks.values():
                 for clone, _, _ in chunks:
                     if id(clone) not in counted and still_open.isdisjoint(clone.owners):
