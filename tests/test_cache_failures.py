@@ -648,9 +648,9 @@ def test_a_keep_aside_failure_waits_for_the_committers_batch_before_releasing_ev
     # b's task PENDING and a page holder kept after close). The failure holds the writer's lock,
     # as every other one does, so a's batch lands first and the release sees it written.
     cache = small_cache(inline_write_bytes=0, claim_timeout_s=30.0)
-    go, listed, written = threading.Event(), threading.Event(), threading.Event()
+    in_batch, go, listed, written = (threading.Event() for _ in range(4))
     write_batch, write_step, tasks = cache._writer.write_batch, cache._writer.write_step, cache._tasks
-    cache._writer.write_batch = lambda groups: (go.wait(10), write_batch(groups))[1]
+    cache._writer.write_batch = lambda groups: (in_batch.set(), go.wait(10), write_batch(groups))[2]
     cache._writer.write_step = lambda *args: (listed.wait(0.5), write_step(*args), written.set())[1]
     # (the failure's listing of the tasks lets the committer write before it fails them)
     cache._tasks = _Proxy(tasks, states=lambda: (tasks.states(), listed.set(), written.wait(2))[0])
@@ -659,7 +659,8 @@ def test_a_keep_aside_failure_waits_for_the_committers_batch_before_releasing_ev
     cache.begin_step(StepEvents(new=[NewRequest("b", [2])]))
 
     def failing_keep_aside(*args) -> None:
-        go.set()  # a's batch starts: the failure races it
+        assert in_batch.wait(10)  # (the committer holds the writer's lock for a's batch)
+        go.set()  # a's batch goes on: the failure races it
         raise MemoryError("injected: keep-aside copy failed")
 
     cache._claims.keep_aside = failing_keep_aside
