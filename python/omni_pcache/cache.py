@@ -120,6 +120,7 @@ class PrefixCache:
             self._cond,
             self._counters.waited,
             _weakly(self._closed_error),
+            failure_or_none,
         )
         self._outputs = OutputBuilder(self._reader, self._copies, self._counters, config.claim_timeout_s)
         self._deferred = DeferredWrites(

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from omni_pcache._native import SOURCE_ABSENT, SOURCE_POOL, Ledger, ReadPlan
-from omni_pcache.errors import InvalidInputError, UnservableHitError
+from omni_pcache.errors import UnservableHitError
 from omni_pcache.keys import KeySpec
 from omni_pcache.pool import HostPool
 from omni_pcache.preserve import PreservedRows
@@ -90,17 +90,6 @@ class HitReader:
             reads.append(KeyRead(spec, slots, self._ledger.plan_read(slots, spec.key_id)))
         return HitRead(req_id, int(slots.size), reads)
 
-    def _validate(self, hit: HitRead, read: KeyRead) -> np.ndarray:
-        """The positions of ``read`` whose rows moved since its plan. A write failure on another
-        thread releases every outstanding step's reads, this one's too, possibly while it is
-        being served: that raises the failure, as every call cut short by it does."""
-        try:
-            return self._ledger.validate(read.plan.read_id)
-        except InvalidInputError:  # (unknown read: released since the rows were read)
-            if hit.released and (failure := self._failure()) is not None:
-                raise failure from None
-            raise
-
     def release(self, hit: HitRead) -> None:
         """Releases the hit's reads (caller holds the ledger lock). Idempotent."""
         if not hit.released:
@@ -145,10 +134,10 @@ class HitReader:
             kept = None
             # The usual case, nothing moved, needs only the ledger's own lock; moved rows are
             # looked up again under the cache's, atomically with the preserved copies.
-            moved = self._validate(hit, read)
+            moved = self._ledger.validate(read.plan.read_id)
             if moved.size:
                 with self._cond:
-                    moved = self._validate(hit, read)
+                    moved = self._ledger.validate(read.plan.read_id)
                     slots = read.slots[moved].tolist()
                     versions = self._ledger.captured_versions(read.plan.read_id)[moved].tolist()
                     lost = [

@@ -49,6 +49,7 @@ class StepPages:
         cond: threading.Condition,
         waited: Callable[[float], None],
         closed_error: Callable[[str], PrefixCacheError],
+        failure: Callable[[], PrefixCacheError | None],
     ) -> None:
         self._config = config
         self._staging = staging
@@ -57,6 +58,7 @@ class StepPages:
         self._cond = cond
         self._waited = waited  # records a blocking wait in the stats
         self._closed_error = closed_error  # the sticky failure, else CacheClosedError(message)
+        self._failure = failure  # the sticky failure, if any
         self.ids = StepIds(next(_STEP_ID_BASES) << 40)
         self.records: dict[int, StepRecord] = {}  # saved, not yet consumed (ledger lock)
         self._building: set[int] = set()  # consumed, materialize under way (ledger lock)
@@ -132,6 +134,11 @@ class StepPages:
                     f"requests {missing} were not in step {step_id}; its requests: {list(record.rows)}"
                 )
         with self._cond:  # (atomic with `finish`'s bound on the preserved rows)
+            # A failure since the caller checked the cache released this outstanding step's hit
+            # reads (`failure.release_everything`, under this lock): raise it, as every call it
+            # cuts short does. A step taken before it keeps its reads (it is no longer listed).
+            if (failure := self._failure()) is not None:
+                raise failure
             self.ids.consume(step_id)  # raises StepIdError for a second or unknown consumption
             self._building.add(step_id)
             return self.records.pop(step_id)
