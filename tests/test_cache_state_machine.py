@@ -9,7 +9,9 @@ engine dropped its latest rows (sent again as new with `StepEvents.dropped`: tho
 are returned again), and materialize or discard outstanding step ids in any order.
 With ``RESUME``, running requests are also preempted (their blocks freed, to be reused by
 others) and resumed with a new block table: a whole-block hit on their own blocks that are
-still fully written and not reused, on any other fully written blocks, or none (recompute).
+still fully written and not reused, on any other fully written blocks, or none (recompute);
+some resume with their last saved step's output dropped (`StepEvents.dropped_last`, as after
+vLLM's reset with a step in flight): what that step returned is returned again.
 With ``DEFERRED``, a second mm key is deferred (kept on the device until its request finishes
 or a tight device budget forces a flush). Some steps leave a cached mm key out ("who", or the
 deferred "codes"): its rows at their slots are then never written, so a later hit over them must raise
@@ -77,6 +79,7 @@ class Req:
     num_done: int  # positions hit or scheduled so far (the next position to compute)
     scheduled: bool = False  # saved at least once
     delivered: int = 0  # positions [0, delivered) were returned by its saves
+    delivered_before_last: int | None = None  # ``delivered`` before its last save (None: never saved)
     read_from: int | None = None  # due with its next save: pool rows [read_from, num_done)
     preempted: bool = False  # holds no blocks until resumed
     kept: tuple[tuple[int, int], ...] = ()  # (preempted) (block, generation) of blocks it fully computed
@@ -134,6 +137,9 @@ class CacheMachine(RuleBasedStateMachine):
         # Running requests the engine rewound, dropping their saved rows from this position on
         # (vLLM's drop_stale_output), sent again as new from it: StepEvents.dropped.
         self.m_dropped: dict[str, int] = {}
+        # Resumed requests whose last saved step's output the engine dropped (vLLM's reset with
+        # its running requests and a step in flight): StepEvents.dropped_last.
+        self.m_dropped_last: list[str] = []
         self.m_finished: list[str] = []
         self.m_outstanding: dict[int, SavedStep] = {}
         self.m_hits = self.m_misses = 0
@@ -199,6 +205,8 @@ class CacheMachine(RuleBasedStateMachine):
             self._release(req)
         if req_id in self.m_resumed:  # aborted before its resume reached the cache
             self.m_resumed.remove(req_id)
+        if req_id in self.m_dropped_last:
+            self.m_dropped_last.remove(req_id)
         if self.m_dropped.pop(req_id, None) is not None:  # aborted before its continuation did
             self.m_new.remove(req_id)
         self.m_finished.append(req_id)
@@ -213,7 +221,13 @@ class CacheMachine(RuleBasedStateMachine):
             for r in self.m_new
         ]
         resumed = [ResumedRequest(r, list(self.m_live[r].block_ids), self.m_live[r].num_done) for r in self.m_resumed]
-        events = StepEvents(new=new, resumed=resumed, finished=list(self.m_finished), dropped=dict(self.m_dropped))
+        events = StepEvents(
+            new=new,
+            resumed=resumed,
+            finished=list(self.m_finished),
+            dropped=dict(self.m_dropped),
+            dropped_last=list(self.m_dropped_last),
+        )
         fresh = [r for r in new if r.req_id not in self.m_dropped]  # (a continuation is neither hit nor miss)
         self.m_hits += sum(1 for r in fresh if r.num_computed_tokens)
         self.m_misses += sum(1 for r in fresh if not r.num_computed_tokens)
@@ -237,6 +251,7 @@ class CacheMachine(RuleBasedStateMachine):
         for req, count in order:
             start, end = req.num_done, req.num_done + count
             positions: list[int] = []
+            req.delivered_before_last = req.delivered
             if req.read_from is not None:  # a hit (or a resume past what it delivered): from the pool
                 positions += range(req.read_from, start)
                 req.delivered = max(req.delivered, start)
@@ -267,6 +282,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.m_new.clear()
         self.m_resumed.clear()
         self.m_dropped.clear()
+        self.m_dropped_last.clear()
         self.m_finished.clear()
         for req, _ in order:
             if req.num_done == req.num_tokens:  # prefill done: it finishes, reported next step
@@ -477,6 +493,12 @@ class CacheMachine(RuleBasedStateMachine):
         self._allocate(hits, fresh)
         req.block_ids = hits + fresh
         req.num_done = len(hits) * BLOCK_SIZE
+        if req.delivered_before_last is not None and data.draw(st.booleans(), label="last_output_dropped"):
+            # The output of its last save never reached its consumer: what that save returned
+            # comes again (from the pool below the resume point, else as it is recomputed).
+            req.delivered = min(req.delivered, req.delivered_before_last)
+            self.m_dropped_last.append(req.req_id)
+            event("a resumed request's last saved output dropped")
         req.read_from = req.delivered if req.num_done > req.delivered else None
         req.preempted = False
         req.kept = req.old_blocks = ()

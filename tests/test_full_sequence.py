@@ -27,9 +27,11 @@ BS = 4
 DEFERRED = CachePolicy(deferred_keys={"codes"}, token_keys={"codes"})
 
 
-def save(cache, reqs, new=(), resumed=(), finished=()):
+def save(cache, reqs, new=(), resumed=(), finished=(), dropped_last=()):
     """begin_step + save; ``reqs``: (req_id, block_ids, start position, count, writer)."""
-    cache.begin_step(StepEvents(new=list(new), resumed=list(resumed), finished=list(finished)))
+    cache.begin_step(
+        StepEvents(new=list(new), resumed=list(resumed), finished=list(finished), dropped_last=list(dropped_last))
+    )
     hidden = torch.cat([rows(w, s, c) for _, _, s, c, w in reqs])
     codes = torch.cat([rows(w, s, c, width=2, dtype=torch.int64) for _, _, s, c, w in reqs])
     slots = np.concatenate([slots_of(b, s, c, BS) for _, b, s, c, _ in reqs])
@@ -593,3 +595,49 @@ def test_a_deferred_key_of_zero_width_rows_is_written_and_served_like_any_other(
     cache.close()
     stats = cache.stats()
     assert (stats.device_bytes, stats.deferred_open, stats.tasks_live) == (0, 0, 0), stats
+
+
+@pytest.mark.parametrize("policy", [CachePolicy(token_keys={"codes"}), DEFERRED], ids=["pool", "deferred"])
+def test_the_rows_of_a_dropped_last_step_are_delivered_again(policy: CachePolicy) -> None:
+    # a's prompt (0..6) is delivered; the step decoding 6 is dropped with a preempting reset
+    # (vLLM's reset_prefix_cache(reset_running_requests=True) with that step in flight). a
+    # resumes recomputing 0..7 and gets 6 again, not 0..6. Then b hits 8 rows, its first step
+    # (the hit rows and 8..10) is dropped likewise, and its resume at 4 gets 0..4 from the pool
+    # and everything it recomputes from there.
+    with small_cache(policy=policy) as cache:
+        check(
+            cache.materialize(save(cache, [("a", [0, 1], 0, 6, 1)], new=[NewRequest("a", [0, 1])]), ["a"]),
+            "a",
+            (1, 0, 6),
+        )
+        cache.discard(save(cache, [("a", [0, 1], 6, 1, 2)]))
+        again = save(cache, [("a", [2, 3], 0, 7, 3)], resumed=[ResumedRequest("a", [2, 3], 0)], dropped_last=["a"])
+        check(cache.materialize(again, ["a"]), "a", (3, 6, 1))
+        cache.discard(save(cache, [("b", [2, 3, 4], 8, 2, 4)], new=[NewRequest("b", [2, 3, 4], 8)], finished=["a"]))
+        again = save(
+            cache, [("b", [2, 5, 6], 4, 6, 5)], resumed=[ResumedRequest("b", [2, 5, 6], 4)], dropped_last=["b"]
+        )
+        check(cache.materialize(again, ["b"]), "b", (3, 0, 4), (5, 4, 6))
+        assert cache.stats().hits == 1
+
+
+@pytest.mark.parametrize(
+    ("dropped_last", "message"),
+    [
+        ("a", "StepEvents.dropped_last must be a sequence, got the single 'a'"),
+        ([5], r"StepEvents.dropped_last holds request ids \(str, valid UTF-8\), got 5"),
+        (["b"], r"StepEvents.dropped_last names request 'b', which is not live \(never scheduled, or finished\)"),
+        (["a"], "StepEvents.dropped_last names request 'a', which these events do not schedule again"),
+    ],
+)
+def test_bad_dropped_last_steps_are_refused_changing_nothing(dropped_last, message) -> None:
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        first = cache.materialize(cache.save(rows(1, 0, 4), {}, StepBatch(["a"], [4], np.arange(4))), ["a"])
+        assert torch.equal(first.hidden["a"], rows(1, 0, 4))
+        with pytest.raises(InvalidInputError, match=message):
+            cache.begin_step(StepEvents(new=[NewRequest("c", [1])], dropped_last=dropped_last))
+        assert cache.stats().requests_live == 1 and cache.stats().misses == 1  # (c not registered)
+        cache.begin_step(StepEvents(resumed=[ResumedRequest("a", [0, 1], 4)]))  # nothing dropped
+        sid = cache.save(rows(2, 4, 1), {}, StepBatch(["a"], [1], slots_of([0, 1], 4, 1, BS)))
+        assert torch.equal(cache.materialize(sid, ["a"]).hidden["a"], rows(2, 4, 1))

@@ -897,3 +897,119 @@ def test_step_batch_names_a_row_request_the_output_has_but_does_not_schedule() -
     t.update(so)
     with pytest.raises(InvalidInputError, match=r"req_ids \['b'\] are not scheduled by this SchedulerOutput"):
         step_batch(so, t, ["a", "b"], 4)
+
+
+def _rows(tokens: list[int], start: int, count: int) -> torch.Tensor:
+    """(position, token) per row, as a causal model's rows would identify them."""
+    return torch.tensor([[float(p), float(tokens[p])] for p in range(start, start + count)], dtype=torch.float64)
+
+
+def _resumed(req_id: str, tokens: list[int], runner_kind: str) -> v.SchedulerOutput:
+    """``req_id`` resumed from position 0 with ``tokens`` after a reset preempted it: V1 sends
+    it in ``resumed_req_ids`` with its tokens in ``all_token_ids``, V2 again as new with them in
+    ``prefill_token_ids``."""
+    if runner_kind == "v1":
+        entries = cached([(req_id, [5, 6], 0)], resumed={req_id})
+        entries.all_token_ids[req_id] = list(tokens)
+        return so_of(preempted_req_ids={req_id}, cached=entries, counts={req_id: len(tokens)})
+    new = dataclasses.replace(new_req(req_id, [5, 6]), prefill_token_ids=list(tokens))
+    return so_of(preempted_req_ids={req_id}, new=[new], counts={req_id: len(tokens)})
+
+
+@pytest.mark.parametrize("runner_kind", ["v1", "v2"])
+@pytest.mark.parametrize("dropped", [True, False], ids=["reset-dropped-it", "its-output-arrived"])
+def test_a_resume_returns_the_rows_of_a_step_in_flight_that_vllm_dropped(runner_kind: str, dropped: bool) -> None:
+    # vLLM 0.33, async scheduling: R's prompt (6 tokens) samples token 7 in step 1; step 2
+    # decodes position 6 and is in flight when reset_prefix_cache(reset_running_requests=True)
+    # preempts R with drop_stale_output: step 2's output never reaches the consumer and its
+    # token is not R's. Step 3 resumes R from position 0 with its 7 tokens: the consumer gets
+    # position 6 there. When step 2's output did arrive (a pause drained it first), R resumes
+    # with 8 tokens and gets position 7 only.
+    runner = Runner("scheduler", "inline")
+    assert runner.pcache_init(**stage_configs(T), is_last_pipeline_stage=True, tensor_parallel_rank=0)
+    seq = [1, 2, 3, 4, 5, 6, 70, 80]
+    try:
+        s1 = so_of(new=[new_req("R", [1, 2])], counts={"R": 6})
+        runner.pcache_begin_step(s1)
+        got = [runner.pcache_materialize(runner.pcache_save(_rows(seq, 0, 6), {}, s1, ["R"]), ["R"]).hidden["R"]]
+        s2 = so_of(cached=cached([("R", None, 6)]), counts={"R": 1})
+        runner.pcache_begin_step(s2)
+        out = runner.pcache_materialize(runner.pcache_save(_rows(seq, 6, 1), {}, s2, ["R"]), ["R"])
+        if not dropped:
+            got.append(out.hidden["R"])
+        kept = seq[:7] if dropped else seq
+        s3 = _resumed("R", kept, runner_kind)
+        runner.pcache_begin_step(s3)
+        assert runner._pcache_state.tracker.dropped_last == (["R"] if dropped else [])
+        got.append(
+            runner.pcache_materialize(runner.pcache_save(_rows(seq, 0, len(kept)), {}, s3, ["R"]), ["R"]).hidden["R"]
+        )
+        assert torch.equal(torch.cat(got), _rows(seq, 0, len(kept))), "every position once, none missing"
+        assert runner.pcache.stats().requests_live == 1
+    finally:
+        runner.pcache_shutdown()
+
+
+def test_a_dropped_prompt_step_is_returned_from_its_first_position() -> None:
+    # R's whole prompt (positions 0..5, sampling token 7) is the step in flight at the reset:
+    # its consumer never got any row, so all six come with the resume.
+    t = BlockTracker(steps_in_flight=2)
+    t.update(so_of(new=[new_req("R", [1, 2])], counts={"R": 6}))
+    entries = cached([("R", [5, 6], 0)], resumed={"R"})
+    entries.all_token_ids["R"] = [1, 2, 3, 4, 5, 6]
+    t.update(so_of(preempted_req_ids={"R"}, cached=entries, counts={"R": 6}))
+    assert t.dropped_last == ["R"]
+
+
+@pytest.mark.parametrize(("steps", "rewinds"), [(1, False), (2, True), (3, False)], ids=["sync", "async", "pipeline-3"])
+def test_the_tracker_rewinds_only_with_at_most_two_steps_in_flight(steps: int, rewinds: bool) -> None:
+    # Sync scheduling has no output in flight to drop; with three steps in flight (pipeline
+    # parallelism) a resume can come before a delivered output is processed, so the tokens
+    # cannot tell a dropped output from one still on its way.
+    t = BlockTracker(steps_in_flight=steps)
+    t.update(so_of(new=[new_req("R", [1, 2])], counts={"R": 6}))
+    t.update(so_of(cached=cached([("R", None, 6)]), counts={"R": 1}))
+    entries = cached([("R", [5, 6], 0)], resumed={"R"})
+    entries.all_token_ids["R"] = [1, 2, 3, 4, 5, 6, 7]
+    t.update(so_of(preempted_req_ids={"R"}, cached=entries, counts={"R": 7}))
+    assert t.dropped_last == (["R"] if rewinds else [])
+
+
+def test_the_tracker_rewinds_a_resume_steps_later_and_forgets_what_finished() -> None:
+    t = BlockTracker(steps_in_flight=2)
+    t.update(so_of(new=[new_req("A", [1, 2]), new_req("B", [3, 4]), new_req("C", [7])], counts={"A": 6, "B": 5}))
+    t.update(so_of(cached=cached([("A", None, 6), ("B", None, 5)]), counts={"A": 1, "B": 1}))
+    # The reset preempts A, B and C (C was not in the step before: nothing of it in flight);
+    # none fits yet; B is aborted while waiting.
+    undo = t.update(so_of(preempted_req_ids={"A", "B", "C"}))
+    assert t.dropped_last == [] and set(t._spans_in_flight) == {"A", "B"}
+    undo()
+    assert t._spans_in_flight == {} and t._previous is not None
+    t.update(so_of(preempted_req_ids={"A", "B", "C"}))
+    t.update(so_of(finished={"B"}))
+    assert set(t._spans_in_flight) == {"A"}
+    entries = cached([("A", [8, 9], 0), ("C", [10], 0)], resumed={"A", "C"})
+    entries.all_token_ids.update(A=[1, 2, 3, 4, 5, 6, 7], C=[1, 2])
+    undo = t.update(so_of(cached=entries, counts={"A": 7, "C": 2}))
+    assert t.dropped_last == ["A"] and t._spans_in_flight == {}
+    undo()
+    assert t.dropped_last == [] and set(t._spans_in_flight) == {"A"}
+
+
+def test_the_tracker_leaves_a_resume_whose_tokens_vllm_did_not_send() -> None:
+    # (an older vLLM, or a V1 resume the scheduler scheduled in the step before: no
+    # all_token_ids entry) nothing is known, so nothing is rewound
+    t = BlockTracker(steps_in_flight=2)
+    t.update(so_of(new=[new_req("R", [1, 2])], counts={"R": 6}))
+    t.update(so_of(preempted_req_ids={"R"}, cached=cached([("R", [5, 6], 0)], resumed={"R"}), counts={"R": 6}))
+    assert t.dropped_last == []
+
+
+@pytest.mark.parametrize(
+    ("async_scheduling", "pp", "steps"),
+    [(False, 1, 1), (True, 1, 2), (None, 1, 2), (False, 2, 2), (True, 2, 3), (False, 4, 4)],
+)
+def test_steps_in_flight_follows_vllms_batch_queue(async_scheduling, pp: int, steps: int) -> None:
+    from omni_pcache.vllm import steps_in_flight
+
+    assert steps_in_flight(T.SchedulerConfig(async_scheduling=async_scheduling), T.ParallelConfig(pp)) == steps

@@ -207,12 +207,8 @@ def random_stage(rng: random.Random, pool_sizes: list[int], async_share: float):
     return stage, block_size, num_blocks
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_random_workloads(seed: int) -> None:
-    """Seeded mixes of all of the above: pool size, block size, step budget, batch size, long
-    prefill threshold, async scheduling, runner kind, arrivals, aborts and duplicate prompts."""
-    rng = random.Random(seed)
-    stage, block_size, num_blocks = random_stage(rng, [24, 32, 48, 96], async_share=0.5)
+def random_requests(rng: random.Random, block_size: int, num_blocks: int) -> list[Req]:
+    """A seeded mix of requests over shared prefixes, with duplicate prompts and aborts."""
     capacity = (num_blocks - 1) * block_size  # (a request larger than the pool never runs)
     shared_len = rng.choice([12, 24, 40])
     bases = [tokens(rng, shared_len) for _ in range(3)]
@@ -228,7 +224,41 @@ def test_random_workloads(seed: int) -> None:
         abort_at = arrival + rng.randrange(20) if rng.random() < abort_rate else None
         max_tokens = max(1, min(rng.randrange(1, 20), capacity - len(prompt)))
         reqs.append(Req(f"r{i}", prompt, max_tokens, arrival, abort_at))
+    return reqs
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_workloads(seed: int) -> None:
+    """Seeded mixes of all of the above: pool size, block size, step budget, batch size, long
+    prefill threshold, async scheduling, runner kind, arrivals, aborts and duplicate prompts."""
+    rng = random.Random(seed)
+    stage, block_size, num_blocks = random_stage(rng, [24, 32, 48, 96], async_share=0.5)
+    reqs = random_requests(rng, block_size, num_blocks)
     result = run(stage, reqs, order_seed=seed, output_thread=rng.random() < 0.3)
+    check_full_sequences(result)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_workloads_with_resets(seed: int) -> None:
+    """The seeded mixes of test_random_workloads with up to three
+    ``reset_prefix_cache(reset_running_requests=True)`` calls at random iterations: between
+    steps, or after a pause that lets the steps in flight finish. (A reset while a prefill chunk
+    that samples nothing is in flight pauses first: the known gap.)"""
+    rng = random.Random(seed)
+    stage, block_size, num_blocks = random_stage(rng, [24, 32, 48, 96], async_share=0.7)
+    reqs = random_requests(rng, block_size, num_blocks)
+    last = max(r.arrival for r in reqs) + 30
+    resets = {rng.randrange(1, last) for _ in range(rng.randrange(1, 4))}
+    paused = {it for it in resets if rng.random() < 0.3}
+    result = run(
+        stage,
+        reqs,
+        order_seed=seed,
+        output_thread=rng.random() < 0.3,
+        reset_at=frozenset(resets - paused),
+        pause_reset_at=frozenset(paused),
+        pause_at_gap=True,
+    )
     check_full_sequences(result)
 
 
@@ -262,19 +292,76 @@ def test_random_workloads_with_sessions(seed: int) -> None:
     check_full_sequences(result)
 
 
+RESETS = pytest.mark.parametrize(
+    "mode", ["sync", "async", "async-paused"], ids=["sync", "async-in-flight", "async-paused-first"]
+)
+
+
 @RUNNERS
-def test_reset_prefix_cache_with_running_requests(v2: bool) -> None:
+@RESETS
+def test_reset_prefix_cache_with_running_requests(v2: bool, mode: str) -> None:
     """``reset_prefix_cache(reset_running_requests=True)`` (RLHF weight updates) twice while eight
-    requests over a shared prefix decode: it preempts every running request and empties vLLM's
-    prefix cache; they resume at once, recomputing from position 0 with no hit. Without async
-    scheduling no output is in flight, so none is dropped. (Under async scheduling the reset
-    drops the outputs in flight: not handled, see the README; this driver's runner does not
-    model that rewind either.)"""
+    requests over a shared prefix decode, and a ninth's whole prompt is computed in the step
+    before the first: it preempts every running request and empties vLLM's prefix cache; they
+    resume at once, recomputing from position 0 (or a hit on another's blocks). Without async
+    scheduling no output is in flight. Under async scheduling a reset between steps drops the
+    outputs of the step in flight (drop_stale_output), decode rows and the ninth's prompt
+    rows, which the cache had counted as delivered: the adapter sees that from the resumed
+    requests' tokens, and those rows are returned again. ``pause_generation(mode="keep")`` first
+    (async-paused-first) lets the step in flight finish, so nothing is dropped."""
     rng = random.Random(7)
     base = tokens(rng, 24)
     reqs = [Req(f"r{i}", [*base, *tokens(rng, 3 + i)], max_tokens=20, arrival=i) for i in range(8)]
-    stage = make_stage(num_blocks=96, max_num_batched_tokens=64, v2=v2)
-    result = run(stage, reqs, reset_at=frozenset({9, 17}))
+    reqs.append(Req("late", tokens(rng, 21), max_tokens=6, arrival=8))
+    stage = make_stage(num_blocks=96, max_num_batched_tokens=64, max_num_seqs=9, v2=v2, async_scheduling=mode != "sync")
+    resets = frozenset({9, 17})
+    if mode == "async-paused":
+        result = run(stage, reqs, pause_reset_at=resets)
+    else:
+        result = run(stage, reqs, reset_at=resets)
     check_full_sequences(result)
     c = result.counters
-    assert c.resets == 2 and c.preemptions >= 8 and c.dropped_outputs == 0 and c.hits >= 1
+    assert c.resets == 2 and c.preemptions >= 8 and c.hits >= 1
+    if mode == "async":
+        assert c.in_flight_at_resets == 2 and c.dropped_outputs >= 9 and c.dropped_chunks == 1, c
+    else:
+        assert c.in_flight_at_resets == 0 and c.dropped_outputs == 0, c
+
+
+@RUNNERS
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "async-paused",
+        pytest.param(
+            "async",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="known gap (README): a prefill chunk that samples nothing, dropped in flight by a reset, "
+                "leaves the resumed request's tokens as they were, so the adapter cannot tell it was dropped",
+            ),
+        ),
+    ],
+    ids=["async-paused-first", "async-in-flight"],
+)
+def test_reset_with_a_partial_prefill_chunk_in_flight(v2: bool, mode: str) -> None:
+    """A reset while a long prompt's first chunk (one that samples nothing) is in flight. After
+    ``pause_generation(mode="keep")`` the chunk's output is taken first and every row arrives. A
+    reset between steps drops it: its rows never reach the consumer, and nothing in the
+    SchedulerOutputs says so (the same tokens as a normal preemption's, whose output arrives),
+    so the adapter does not return them again: the known gap this test pins (strict xfail)."""
+    rng = random.Random(11)
+    reqs = [Req(f"r{i}", tokens(rng, 6 + i), max_tokens=12, arrival=i) for i in range(3)]
+    reqs.append(Req("long", tokens(rng, 90), max_tokens=4, arrival=5))
+    stage = make_stage(num_blocks=96, max_num_batched_tokens=32, v2=v2, async_scheduling=True)
+    if mode == "async-paused":
+        result = run(stage, reqs, pause_reset_at=frozenset({6}))
+    else:
+        result = run(stage, reqs, reset_at=frozenset({6}))
+    c = result.counters
+    assert c.resets == 1 and c.partial_prefills >= 3, c
+    if mode == "async":
+        assert c.in_flight_at_resets == 1 and c.dropped_chunks == 1, c
+    else:
+        assert c.in_flight_at_resets == 0 and c.dropped_outputs == 0, c
+    check_full_sequences(result)

@@ -71,6 +71,7 @@ class New:
     num_computed: int
     num_tokens: int
     v2_resume: bool = False  # V2 runner: a resumed request sent again as new
+    known_tokens: int | None = None  # a resume's token count (prefill_token_ids); None: computed + scheduled
 
 
 @dataclass
@@ -80,6 +81,7 @@ class Cached:
     num_computed: int
     num_tokens: int
     resumed: bool = False
+    known_tokens: int | None = None  # a resume's token count (all_token_ids); None: not sent
 
 
 @dataclass
@@ -202,7 +204,9 @@ def scheduler_output(t: Any, step: Step, scenario: Scenario = RECORDED_SCENARIO)
             block_ids=(list(n.blocks),),
             num_computed_tokens=n.num_computed,
             lora_request=None,
-            prefill_token_ids=list(scenario.tokens[n.req_id][: n.num_computed + n.num_tokens]) if n.v2_resume else None,
+            prefill_token_ids=list(scenario.tokens[n.req_id][: n.known_tokens or n.num_computed + n.num_tokens])
+            if n.v2_resume
+            else None,
         )
         for n in step.new
     ]
@@ -210,7 +214,9 @@ def scheduler_output(t: Any, step: Step, scenario: Scenario = RECORDED_SCENARIO)
         req_ids=[c.req_id for c in step.cached],
         resumed_req_ids={c.req_id for c in step.cached if c.resumed},
         new_token_ids=[],
-        all_token_ids={},
+        all_token_ids={
+            c.req_id: list(scenario.tokens[c.req_id][: c.known_tokens]) for c in step.cached if c.known_tokens
+        },
         new_block_ids=[None if c.new_blocks is None else (list(c.new_blocks),) for c in step.cached],
         num_computed_tokens=[c.num_computed for c in step.cached],
         num_output_tokens=[max(0, c.num_computed + 1 - len(scenario.prompts[c.req_id])) for c in step.cached],
@@ -491,11 +497,12 @@ def record_engine_run(
         running, resumed = [], []
         for req, n in s.scheduled:
             if req.req_id in new_ids or (v2 and req.req_id in resumed_ids):
-                step.new.append(
-                    New(req.req_id, list(req.blocks), req.num_computed, n, v2_resume=req.req_id in resumed_ids)
-                )
+                v2_resume = req.req_id in resumed_ids
+                known_tokens = req.num_tokens if v2_resume else None
+                step.new.append(New(req.req_id, list(req.blocks), req.num_computed, n, v2_resume, known_tokens))
             elif req.req_id in resumed_ids:
-                resumed.append(Cached(req.req_id, list(req.blocks), req.num_computed, n, resumed=True))
+                known_tokens = req.num_tokens
+                resumed.append(Cached(req.req_id, list(req.blocks), req.num_computed, n, True, known_tokens))
             else:
                 added = req.blocks[known[req.req_id] :]
                 running.append(Cached(req.req_id, list(added) or None, req.num_computed, n))

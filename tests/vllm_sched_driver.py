@@ -236,7 +236,10 @@ class Counters:
     partial_prefills: int = 0  # scheduled prefill chunks that did not reach the end of the tokens
     session_chunks: int = 0  # streaming sessions' next chunks scheduled
     dropped_outputs: int = 0  # step outputs update_from_output dropped (drop_stale_output)
+    dropped_chunks: int = 0  # ... of more than one position (a prefill chunk)
     resets: int = 0  # reset_prefix_cache(reset_running_requests=True) calls
+    in_flight_at_resets: int = 0  # steps in flight at those calls (summed)
+    paused_for_gap: int = 0  # resets made after a pause, a prefill chunk that samples nothing being in flight
     reused_blocks: int = 0  # blocks written by a request other than the one that wrote them before
     max_in_flight: int = 0
     aborted: dict[str, tuple[RequestStatus, int, int]] = field(default_factory=dict)  # status, computed, prompt
@@ -291,6 +294,13 @@ class Runner(PrefixCacheRunnerMixin):
             assert r.prompt_token_ids == self.seqs[r.req_id].tokens[: len(r.prompt_token_ids)]
             self.known[r.req_id] = max(self.known.get(r.req_id, 0), len(r.prompt_token_ids))
             self.preempted.discard(r.req_id)
+        # A resumed request's tokens are the scheduler's (a real runner takes them from the
+        # SchedulerOutput): those of an output vLLM dropped (drop_stale_output) are not among them.
+        for req_id in so.scheduled_cached_reqs.resumed_req_ids:
+            self.known[req_id] = len(so.scheduled_cached_reqs.all_token_ids[req_id])
+        for r in so.scheduled_new_reqs:
+            if kinds[r.req_id] == "resumed" and r.prefill_token_ids is not None:
+                self.known[r.req_id] = len(r.prefill_token_ids)
         self.preempted -= so.scheduled_cached_reqs.resumed_req_ids
         if so.total_num_scheduled_tokens == 0:
             return None, [], ModelRunnerOutput(req_ids=[], req_id_to_index={})
@@ -489,13 +499,19 @@ def run(
     output_thread: bool = False,
     max_iters: int = 5000,
     reset_at: frozenset[int] = frozenset(),
+    pause_reset_at: frozenset[int] = frozenset(),
+    pause_at_gap: bool = False,
 ) -> Result:
     """Runs the requests to completion through vLLM's scheduler and the runner; each step's rows
     are materialized where vLLM's output builder would: inline, or one step late under async
     scheduling (when the step's output is taken for ``update_from_output``), on the engine
     thread or, with ``output_thread``, handed to a thread of their own. At each iteration in
     ``reset_at`` the engine resets the prefix cache with ``reset_running_requests=True``
-    (between steps: under async scheduling while steps are in flight)."""
+    (between steps: under async scheduling while steps are in flight); at each iteration in
+    ``pause_reset_at`` it does so as ``pause_generation(mode="keep", clear_cache=True)`` does:
+    once the steps in flight are done and their outputs taken; ``pause_at_gap`` does that for a
+    ``reset_at`` reset too while a prefill chunk that samples nothing is in flight (the known
+    gap)."""
     sched = stage.scheduler
     seqs = {r.req_id: Tokens(list(r.prompt)) for r in reqs}
     runner = Runner(stage, seqs, order_seed)
@@ -507,6 +523,27 @@ def run(
     queue_size = stage.vllm_config.max_concurrent_batches
     assert queue_size == (2 if stage.vllm_config.scheduler_config.async_scheduling else 1)
     batch_queue: deque[tuple[SchedulerOutput, int, int | None, list[str], ModelRunnerOutput]] = deque()
+
+    def process_oldest() -> None:
+        """Takes the oldest step in flight's output for ``update_from_output``, consuming its rows."""
+        so, step_no, step_id, req_ids, out = batch_queue.pop()
+        # Outputs that update_from_output discards, so their consumer never gets them: the
+        # stale output of a step in flight when a streaming session's turn ended or the
+        # prefix cache was reset with its running requests (drop_stale_output), and any
+        # output once a session is aborted. (Every other output is kept, an aborted
+        # request's included, and checked.)
+        dropped = frozenset(
+            r
+            for r in req_ids
+            if ((q := requests[r]).resumable and q.is_finished())
+            or (q.num_stale_output_tokens > 0 and q.drop_stale_output)
+        )
+        c.dropped_outputs += len(dropped)
+        c.dropped_chunks += sum(so.num_scheduled_tokens[r] > 1 for r in dropped)
+        runner.dropped |= {(step_no, r) for r in dropped}
+        runner.hand_off(step_id, req_ids, dropped)
+        sched.update_from_output(so, out)
+
     try:
         for it in range(max_iters):
             while arrivals and arrivals[0].arrival <= it:
@@ -548,8 +585,16 @@ def run(
                     c.aborted[r] = (req.status, req.num_computed_tokens, req.num_prompt_tokens)
                 c.aborted_in_flight += len(in_flight.intersection(aborts))
                 sched.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)
-            if it in reset_at:
+            if it in reset_at or it in pause_reset_at:
+                # (a prefill chunk that samples nothing, in flight: the known gap, see
+                # test_reset_with_a_partial_prefill_chunk_in_flight)
+                gap = any(not sampled for *_, out in batch_queue for sampled in out.sampled_token_ids)
+                c.paused_for_gap += pause_at_gap and gap and it in reset_at
+                if it in pause_reset_at or (pause_at_gap and gap):  # (pause_generation("keep"): idle first)
+                    while batch_queue:
+                        process_oldest()
                 c.resets += 1
+                c.in_flight_at_resets += len(batch_queue)
                 assert sched.reset_prefix_cache(reset_running_requests=True)
             pending = any(r.end_at is not None and r.end_at > it for r in reqs)
             if not arrivals and not pending and not sched.has_requests() and not batch_queue:
@@ -565,22 +610,7 @@ def run(
                     continue
             if not batch_queue:
                 continue
-            so, step_no, step_id, req_ids, out = batch_queue.pop()
-            # Outputs that update_from_output discards, so their consumer never gets them: the
-            # stale output of a step in flight when a streaming session's turn ended or the
-            # prefix cache was reset with its running requests (drop_stale_output), and any
-            # output once a session is aborted. (Every other output is kept, an aborted
-            # request's included, and checked.)
-            dropped = frozenset(
-                r
-                for r in req_ids
-                if ((q := requests[r]).resumable and q.is_finished())
-                or (q.num_stale_output_tokens > 0 and q.drop_stale_output)
-            )
-            c.dropped_outputs += len(dropped)
-            runner.dropped |= {(step_no, r) for r in dropped}
-            runner.hand_off(step_id, req_ids, dropped)
-            sched.update_from_output(so, out)
+            process_oldest()
         else:
             raise AssertionError(f"the run did not finish in {max_iters} iterations (a request larger than the pool?)")
         runner.stop_output_thread()

@@ -235,9 +235,11 @@ class Deliveries:
         resumed_type: type,
         num_blocks: int,
         dropped: dict[str, int],
+        dropped_last: Iterable[str],
     ) -> tuple[int, int, list[str]]:
         """A step's events checked, then registered: ``finished`` forgotten, the ``dropped``
-        positions of live requests counted as not delivered, each new and resumed request
+        positions of live requests, and what the last save returned for each of
+        ``dropped_last``, counted as not delivered, each new and resumed request
         scheduled. Returns ``(hits, misses, reentered)`` (the live requests
         scheduled again). Raises `InvalidInputError` for the first problem, changing nothing."""
     def take_step(

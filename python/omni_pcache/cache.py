@@ -244,8 +244,9 @@ class PrefixCache:
         new = as_list(events.new, "StepEvents.new")
         resumed = as_list(events.resumed, "StepEvents.resumed")
         dropped = as_position_map(events.dropped, "StepEvents.dropped")
+        dropped_last = as_list(events.dropped_last, "StepEvents.dropped_last")
         hits, misses, reentered = self._delivery.begin(
-            finished, new, resumed, NewRequest, ResumedRequest, self._config.num_blocks, dropped
+            finished, new, resumed, NewRequest, ResumedRequest, self._config.num_blocks, dropped, dropped_last
         )
         self._requests_live = len(self._delivery)  # (for `stats` on any thread: `Deliveries` is the engine thread's)
         flushed = 0

@@ -39,12 +39,16 @@ class StepEvents:
     ends with a step in flight): those positions are delivered again, from the pool below the
     request's resume point, else when computed again. The request must be scheduled again in
     the same events (``new`` or ``resumed``); ``begin_step`` refuses a dropped entry for one
-    that is not, or that is not live."""
+    that is not, or that is not live. ``dropped_last`` names live requests whose last saved
+    step's output never reached the consumer (vLLM's ``reset_prefix_cache(reset_running_requests=True)``
+    drops the output of a step in flight): every row that step returned for them, its prefix
+    hit's included, is delivered again, on the same conditions."""
 
     new: Sequence[NewRequest] = ()
     resumed: Sequence[ResumedRequest] = ()
     finished: Sequence[str] = ()
     dropped: Mapping[str, int] = field(default_factory=dict)
+    dropped_last: Sequence[str] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,8 @@ pub struct StepRows {
 struct Delivery {
     next_pos: usize,
     delivered: usize,
+    /// `delivered` before its last save took its rows (`None`: no save yet).
+    delivered_before_last: Option<usize>,
     /// Slots of positions `[read_from, next_pos)`, read with the next save.
     read: Option<Vec<i64>>,
 }
@@ -107,6 +109,25 @@ impl Deliveries {
         }
     }
 
+    /// The consumer of live request `req_id` never got the rows of its last save (the engine
+    /// dropped that output: vLLM's `reset_prefix_cache(reset_running_requests=True)` with a step
+    /// in flight): what that save returned for it, its pool read included, counts as not
+    /// delivered, as in [`Deliveries::undeliver_from`]. Returns whether the request is live and
+    /// was saved (else nothing to do).
+    pub fn undeliver_last(&mut self, req_id: &str) -> bool {
+        match self.live.get_mut(req_id) {
+            Some(Delivery {
+                delivered,
+                delivered_before_last: Some(before),
+                ..
+            }) => {
+                *delivered = (*delivered).min(*before);
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// A request (re)enters with `num_computed` tokens computed under `blocks`: plans the pool
     /// read of what its consumer has not been given below that, `[delivered, num_computed)`,
     /// due with its next save. Returns whether it reads. Refuses a span past the table
@@ -155,6 +176,7 @@ impl Deliveries {
                 None => self.live.entry(req_id.to_owned()).or_default(),
             };
             let start = state.next_pos;
+            state.delivered_before_last = Some(state.delivered);
             if let Some(slots) = state.read.take() {
                 reads.push((i, slots));
                 state.delivered = state.delivered.max(start);
@@ -222,6 +244,39 @@ mod tests {
         );
         let (rows, _) = d.take_step([("a", 0, 1)]).unwrap();
         assert_eq!((rows[0].count, rows[0].drop), (1, 0));
+    }
+
+    #[test]
+    fn a_dropped_last_save_is_delivered_again_and_only_what_it_returned() {
+        let mut d = Deliveries::new(4).unwrap();
+        assert!(!d.undeliver_last("a"), "not live");
+        d.schedule("a", &[0, 1, 2, 3], 0).unwrap();
+        assert!(!d.undeliver_last("a"), "live, never saved: nothing to do");
+        d.take_step([("a", 0, 6)]).unwrap(); // delivered [0, 6)
+        d.take_step([("a", 0, 1)]).unwrap(); // position 6, its output then dropped
+        assert!(d.undeliver_last("a"));
+        d.schedule("a", &[4, 5], 0).unwrap(); // resumed from 0, recomputing [0, 7)
+        let (rows, _) = d.take_step([("a", 0, 7)]).unwrap();
+        assert_eq!(
+            rows[0].drop, 6,
+            "position 6 is returned again, 0..6 are not"
+        );
+        // A save that recomputes delivered rows and adds one: dropping it loses only that one.
+        d.schedule("a", &[4, 5, 6], 4).unwrap();
+        d.take_step([("a", 0, 4)]).unwrap(); // [4, 8): only 7 was new
+        assert!(d.undeliver_last("a"));
+        d.schedule("a", &[4, 5, 6], 4).unwrap();
+        let (rows, _) = d.take_step([("a", 0, 4)]).unwrap();
+        assert_eq!(rows[0].drop, 3, "7 again, 4..7 not");
+        // A dropped save that carried a pool read: the read rows come again too.
+        d.finish("a");
+        d.schedule("a", &[7, 8], 8).unwrap(); // a hit of 8
+        let (_, reads) = d.take_step([("a", 0, 1)]).unwrap();
+        assert_eq!(reads.len(), 1);
+        assert!(d.undeliver_last("a"));
+        assert!(d.schedule("a", &[7, 8, 9], 4).unwrap(), "[0, 4) read again");
+        let (rows, reads) = d.take_step([("a", 0, 5)]).unwrap();
+        assert_eq!((reads, rows[0].drop), (vec![(0, vec![28, 29, 30, 31])], 0));
     }
 
     #[test]

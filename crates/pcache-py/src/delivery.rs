@@ -117,7 +117,8 @@ impl Deliveries {
 
     /// Checks a step's events, then registers them: the `finished` ids are forgotten, the
     /// `dropped` positions (`{req_id: position}`) of live requests scheduled again in these
-    /// events (new or resumed; else refused) count as not delivered, then
+    /// events (new or resumed; else refused) count as not delivered, as do the rows the last
+    /// save returned for each of `dropped_last` (the same conditions), then
     /// each `new` and `resumed` request (instances of `new_type` and `resumed_type`) is scheduled
     /// with its block table. A request that is not live (or finishes in these events) with
     /// `num_computed_tokens > 0` is a prefix hit and must cover whole blocks; a live one may
@@ -134,6 +135,7 @@ impl Deliveries {
         resumed_type: &Bound<'_, PyType>,
         num_blocks: u32,
         dropped: &Bound<'_, PyDict>,
+        dropped_last: &Bound<'_, PyAny>,
     ) -> PyResult<Begun> {
         let finished = finished
             .try_iter()?
@@ -154,6 +156,11 @@ impl Deliveries {
                     ))
                 })?;
             undelivered.push((req_id, position, key));
+        }
+        let mut last_undelivered = Vec::new();
+        for key in dropped_last.try_iter()? {
+            let key = key?;
+            last_undelivered.push((req_id_of(&key, &"StepEvents.dropped_last")?, key));
         }
         let ending: HashSet<&str> = finished.iter().map(String::as_str).collect();
         let mut scheduled = Vec::new();
@@ -178,7 +185,15 @@ impl Deliveries {
                 scheduled.push(checked);
             }
         }
-        for (req_id, _, key) in &undelivered {
+        let named = undelivered
+            .iter()
+            .map(|(req_id, _, key)| ("dropped", req_id, key))
+            .chain(
+                last_undelivered
+                    .iter()
+                    .map(|(req_id, key)| ("dropped_last", req_id, key)),
+            );
+        for (field, req_id, key) in named {
             let not = if ending.contains(req_id.as_str()) || !self.inner.is_live(req_id) {
                 "is not live (never scheduled, or finished): no rows saved for it were dropped"
             } else if !seen.contains(req_id) {
@@ -187,7 +202,7 @@ impl Deliveries {
                 continue;
             };
             return Err(invalid_input(format!(
-                "StepEvents.dropped names request {}, which {not}",
+                "StepEvents.{field} names request {}, which {not}",
                 repr_of(key)
             )));
         }
@@ -196,6 +211,9 @@ impl Deliveries {
         }
         for (req_id, position, _) in &undelivered {
             self.inner.undeliver_from(req_id, *position);
+        }
+        for (req_id, _) in &last_undelivered {
+            self.inner.undeliver_last(req_id);
         }
         let (mut hits, mut misses, mut reentered) = (0, 0, Vec::new());
         for req in scheduled {

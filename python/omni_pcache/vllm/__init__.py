@@ -4,7 +4,8 @@ One module per concept, none importing vLLM (everything reads vLLM's objects by 
 
 - `gate`: `cache_config_from_vllm` — no cache, a refused configuration (`ConfigError`), or the
   `CacheConfig` sized from vLLM's configs;
-- `tracker`: `BlockTracker` — each request's block ids from SchedulerOutputs alone;
+- `tracker`: `BlockTracker` — each request's block ids from SchedulerOutputs alone, and the
+  outputs vLLM dropped after a reset (given `steps_in_flight`);
 - `translate`: `step_events` / `step_batch` — SchedulerOutput and the runner's row order into
   `StepEvents` / `StepBatch` with the CPU slot mapping;
 - `ranks`: `build_cache` — a real cache on the output rank, a `NoOpCache` elsewhere;
@@ -13,7 +14,7 @@ One module per concept, none importing vLLM (everything reads vLLM's objects by 
 
 from __future__ import annotations
 
-from omni_pcache.vllm.gate import REFUSALS, cache_config_from_vllm
+from omni_pcache.vllm.gate import REFUSALS, cache_config_from_vllm, steps_in_flight
 from omni_pcache.vllm.mixin import PcacheState, PrefixCacheRunnerMixin
 from omni_pcache.vllm.ranks import NoOpCache, build_cache, is_output_rank
 from omni_pcache.vllm.tracker import BlockTracker
@@ -32,4 +33,5 @@ __all__ = [
     "slot_mapping",
     "step_batch",
     "step_events",
+    "steps_in_flight",
 ]

@@ -111,6 +111,17 @@ PRODUCER_ONLY_CONNECTORS = frozenset({"NixlConnector", "MooncakeConnector"})
 node) and load nothing into it; any other connector is refused (``REFUSALS["kv_connector"]``)."""
 
 
+def steps_in_flight(scheduler_config: Any, parallel_config: Any) -> int:
+    """The most SchedulerOutputs vLLM's engine has scheduled before taking their outputs (its
+    batch queue, ``VllmConfig.max_concurrent_batches``): the pipeline depth, plus one with async
+    scheduling (the V2 runner's count, the larger), and 2 for async scheduling alone."""
+    async_scheduling = getattr(scheduler_config, "async_scheduling", None) is not False  # (None: on)
+    pp = int(getattr(parallel_config, "pipeline_parallel_size", 1) or 1)
+    if pp > 1:
+        return pp + async_scheduling
+    return 2 if async_scheduling else 1
+
+
 def _refuse(what: str, change: str, reason: str) -> ConfigError:
     return ConfigError(f"omni_pcache cannot serve {what}: {REFUSALS[reason]}. Change: {change}.")
 
@@ -163,7 +174,7 @@ def cache_config_from_vllm(
             )
         async_scheduling = getattr(scheduler_config, "async_scheduling", None)
         pp = int(getattr(parallel_config, "pipeline_parallel_size", 1) or 1)
-        if async_scheduling is not False or pp > 1:  # (None: vLLM's default, on)
+        if steps_in_flight(scheduler_config, parallel_config) > 1:
             raise _refuse(
                 f"KV connector {connector!r} with more than one step in flight "
                 f"(scheduler_config.async_scheduling={async_scheduling!r}, pipeline_parallel_size={pp})",

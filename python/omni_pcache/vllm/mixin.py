@@ -39,7 +39,7 @@ from omni_pcache.config import CacheConfig, CachePolicy
 from omni_pcache.errors import ConfigError, StepIdError
 from omni_pcache.events import StepOutputs
 from omni_pcache.stats import CacheStats
-from omni_pcache.vllm.gate import cache_config_from_vllm
+from omni_pcache.vllm.gate import cache_config_from_vllm, steps_in_flight
 from omni_pcache.vllm.ranks import NoOpCache, is_output_rank
 from omni_pcache.vllm.tracker import BlockTracker
 from omni_pcache.vllm.translate import step_batch, step_events
@@ -104,7 +104,8 @@ class PrefixCacheRunnerMixin:
         output = is_output_rank(
             is_last_pipeline_stage=is_last_pipeline_stage, tensor_parallel_rank=tensor_parallel_rank
         )
-        self._pcache_state = PcacheState(config, output, self._pcache_policy)
+        tracker = BlockTracker(steps_in_flight(scheduler_config, parallel_config))
+        self._pcache_state = PcacheState(config, output, self._pcache_policy, tracker=tracker)
         return True
 
     def pcache_load_policy(self, policy: CachePolicy | None) -> None:

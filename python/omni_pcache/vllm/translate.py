@@ -43,10 +43,11 @@ def step_events(scheduler_output: Any, tracker: BlockTracker) -> StepEvents:
             if req_id in resumed
         ],
         finished=sorted(so.finished_req_ids or ()),
-        # A streaming session's next chunk: vLLM rewound it to the rows its consumer got and
-        # dropped the output of its step in flight (async scheduling), which the cache had
-        # counted as delivered (a no-op when nothing was dropped).
+        # Outputs vLLM dropped (drop_stale_output) after the cache counted their rows as delivered:
+        # a streaming session's next chunk, rewound to the rows its consumer got (a no-op when
+        # nothing was dropped), and a request resumed after a reset dropped its step in flight.
         dropped={r.req_id: int(r.num_computed_tokens) for r in so.scheduled_new_reqs if r.req_id in tracker.continued},
+        dropped_last=tracker.dropped_last,
     )
 
 
