@@ -673,6 +673,17 @@ def test_a_policy_loaded_after_init_is_the_caches_and_a_bad_one_is_refused() -> 
         runner.pcache_shutdown()
 
 
+def _rows(tokens: list[int], start: int, count: int) -> torch.Tensor:
+    """(position, token) per row, as a causal model's rows would identify them."""
+    return torch.tensor([[float(p), float(tokens[p])] for p in range(start, start + count)], dtype=torch.float64)
+
+
+def _step(runner: Runner, so: v.SchedulerOutput, hidden: torch.Tensor) -> torch.Tensor:
+    """One step of request R through the mixin (begin, save, materialize): R's rows."""
+    runner.pcache_begin_step(so)
+    return runner.pcache_materialize(runner.pcache_save(hidden, {}, so, ["R"]), ["R"]).hidden["R"]
+
+
 def test_a_streaming_sessions_next_chunk_gets_the_row_vllm_dropped_under_async_scheduling() -> None:
     # vLLM 0.33, async scheduling: the decode of position 6 is in flight when step 1's stop token
     # ends the session's turn; the scheduler rewinds the request to 6, drops that step's output,
@@ -680,28 +691,21 @@ def test_a_streaming_sessions_next_chunk_gets_the_row_vllm_dropped_under_async_s
     runner = Runner("scheduler", "inline")
     assert runner.pcache_init(**stage_configs(T), is_last_pipeline_stage=True, tensor_parallel_rank=0)
 
-    def rows(tokens: list[int], start: int, count: int) -> torch.Tensor:  # (position, token) per row
-        return torch.tensor([[float(p), float(tokens[p])] for p in range(start, start + count)], dtype=torch.float64)
-
     turn1, turn2 = [1, 2, 3, 4, 5, 6, 99], [1, 2, 3, 4, 5, 6, 50, 51, 52]
     try:
         s1 = so_of(new=[new_req("R", [1, 2])], counts={"R": 6})
-        runner.pcache_begin_step(s1)
-        got = [runner.pcache_materialize(runner.pcache_save(rows(turn1, 0, 6), {}, s1, ["R"]), ["R"]).hidden["R"]]
+        got = [_step(runner, s1, _rows(turn1, 0, 6))]
         s2 = so_of(cached=cached([("R", None, 6)]), counts={"R": 1})
-        runner.pcache_begin_step(s2)
-        runner.pcache_materialize(runner.pcache_save(rows(turn1, 6, 1), {}, s2, ["R"]), ["R"])  # dropped by vLLM
+        _step(runner, s2, _rows(turn1, 6, 1))  # dropped by vLLM
         s3 = so_of(new=[new_req("R", [1, 2, 3], 6)], counts={"R": 3})
-        runner.pcache_begin_step(s3)
-        got.append(runner.pcache_materialize(runner.pcache_save(rows(turn2, 6, 3), {}, s3, ["R"]), ["R"]).hidden["R"])
-        assert torch.equal(torch.cat(got), rows(turn2, 0, 9)), "every position once, 6 included"
+        got.append(_step(runner, s3, _rows(turn2, 6, 3)))
+        assert torch.equal(torch.cat(got), _rows(turn2, 0, 9)), "every position once, 6 included"
         # A preempted request sent again as new (V2) is no continuation: its rows past the
         # resume point were delivered, and are not returned twice.
         runner.pcache_begin_step(so_of(preempted_req_ids={"R"}))
         s5 = so_of(new=[new_req("R", [1, 2, 3], 8)], counts={"R": 2})
-        runner.pcache_begin_step(s5)
-        out = runner.pcache_materialize(runner.pcache_save(rows([*turn2, 53], 8, 2), {}, s5, ["R"]), ["R"])
-        assert torch.equal(out.hidden["R"], rows([*turn2, 53], 9, 1)), "position 8 was delivered before"
+        out = _step(runner, s5, _rows([*turn2, 53], 8, 2))
+        assert torch.equal(out, _rows([*turn2, 53], 9, 1)), "position 8 was delivered before"
     finally:
         runner.pcache_shutdown()
 
@@ -899,11 +903,6 @@ def test_step_batch_names_a_row_request_the_output_has_but_does_not_schedule() -
         step_batch(so, t, ["a", "b"], 4)
 
 
-def _rows(tokens: list[int], start: int, count: int) -> torch.Tensor:
-    """(position, token) per row, as a causal model's rows would identify them."""
-    return torch.tensor([[float(p), float(tokens[p])] for p in range(start, start + count)], dtype=torch.float64)
-
-
 def _resumed(req_id: str, tokens: list[int], runner_kind: str) -> v.SchedulerOutput:
     """``req_id`` resumed from position 0 with ``tokens`` after a reset preempted it: V1 sends
     it in ``resumed_req_ids`` with its tokens in ``all_token_ids``, V2 again as new with them in
@@ -930,20 +929,14 @@ def test_a_resume_returns_the_rows_of_a_step_in_flight_that_vllm_dropped(runner_
     seq = [1, 2, 3, 4, 5, 6, 70, 80]
     try:
         s1 = so_of(new=[new_req("R", [1, 2])], counts={"R": 6})
-        runner.pcache_begin_step(s1)
-        got = [runner.pcache_materialize(runner.pcache_save(_rows(seq, 0, 6), {}, s1, ["R"]), ["R"]).hidden["R"]]
+        got = [_step(runner, s1, _rows(seq, 0, 6))]
         s2 = so_of(cached=cached([("R", None, 6)]), counts={"R": 1})
-        runner.pcache_begin_step(s2)
-        out = runner.pcache_materialize(runner.pcache_save(_rows(seq, 6, 1), {}, s2, ["R"]), ["R"])
+        out = _step(runner, s2, _rows(seq, 6, 1))
         if not dropped:
-            got.append(out.hidden["R"])
+            got.append(out)
         kept = seq[:7] if dropped else seq
-        s3 = _resumed("R", kept, runner_kind)
-        runner.pcache_begin_step(s3)
+        got.append(_step(runner, _resumed("R", kept, runner_kind), _rows(seq, 0, len(kept))))
         assert runner._pcache_state.tracker.dropped_last == (["R"] if dropped else [])
-        got.append(
-            runner.pcache_materialize(runner.pcache_save(_rows(seq, 0, len(kept)), {}, s3, ["R"]), ["R"]).hidden["R"]
-        )
         assert torch.equal(torch.cat(got), _rows(seq, 0, len(kept))), "every position once, none missing"
         assert runner.pcache.stats().requests_live == 1
     finally:
