@@ -10,8 +10,8 @@ are returned again), and materialize or discard outstanding step ids in any orde
 With ``RESUME``, running requests are also preempted (their blocks freed, to be reused by
 others) and resumed with a new block table: a whole-block hit on their own blocks that are
 still fully written and not reused, on any other fully written blocks, or none (recompute);
-some resume with their last saved step's output dropped (`StepEvents.dropped_last`, as after
-vLLM's reset with a step in flight): what that step returned is returned again.
+some resume with their latest saved steps' outputs dropped (`StepEvents.dropped_saves`, as
+after vLLM's reset with steps in flight): what those steps returned is returned again.
 With ``DEFERRED``, a second mm key is deferred (kept on the device until its request finishes
 or a tight device budget forces a flush). Some steps leave a cached mm key out ("who", or the
 deferred "codes"): its rows at their slots are then never written, so a later hit over them must raise
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import hypothesis.strategies as st
 import numpy as np
@@ -79,7 +79,7 @@ class Req:
     num_done: int  # positions hit or scheduled so far (the next position to compute)
     scheduled: bool = False  # saved at least once
     delivered: int = 0  # positions [0, delivered) were returned by its saves
-    delivered_before_last: int | None = None  # ``delivered`` before its last save (None: never saved)
+    before_saves: list[int] = field(default_factory=list)  # ``delivered`` before each of its saves
     read_from: int | None = None  # due with its next save: pool rows [read_from, num_done)
     preempted: bool = False  # holds no blocks until resumed
     kept: tuple[tuple[int, int], ...] = ()  # (preempted) (block, generation) of blocks it fully computed
@@ -137,9 +137,9 @@ class CacheMachine(RuleBasedStateMachine):
         # Running requests the engine rewound, dropping their saved rows from this position on
         # (vLLM's drop_stale_output), sent again as new from it: StepEvents.dropped.
         self.m_dropped: dict[str, int] = {}
-        # Resumed requests whose last saved step's output the engine dropped (vLLM's reset with
-        # its running requests and a step in flight): StepEvents.dropped_last.
-        self.m_dropped_last: list[str] = []
+        # Resumed requests whose latest saved steps' outputs the engine dropped (vLLM's reset with
+        # its running requests and steps in flight), how many: StepEvents.dropped_saves.
+        self.m_dropped_saves: dict[str, int] = {}
         self.m_finished: list[str] = []
         self.m_outstanding: dict[int, SavedStep] = {}
         self.m_hits = self.m_misses = 0
@@ -205,8 +205,7 @@ class CacheMachine(RuleBasedStateMachine):
             self._release(req)
         if req_id in self.m_resumed:  # aborted before its resume reached the cache
             self.m_resumed.remove(req_id)
-        if req_id in self.m_dropped_last:
-            self.m_dropped_last.remove(req_id)
+        self.m_dropped_saves.pop(req_id, None)
         if self.m_dropped.pop(req_id, None) is not None:  # aborted before its continuation did
             self.m_new.remove(req_id)
         self.m_finished.append(req_id)
@@ -226,7 +225,7 @@ class CacheMachine(RuleBasedStateMachine):
             resumed=resumed,
             finished=list(self.m_finished),
             dropped=dict(self.m_dropped),
-            dropped_last=list(self.m_dropped_last),
+            dropped_saves=dict(self.m_dropped_saves),
         )
         fresh = [r for r in new if r.req_id not in self.m_dropped]  # (a continuation is neither hit nor miss)
         self.m_hits += sum(1 for r in fresh if r.num_computed_tokens)
@@ -251,7 +250,7 @@ class CacheMachine(RuleBasedStateMachine):
         for req, count in order:
             start, end = req.num_done, req.num_done + count
             positions: list[int] = []
-            req.delivered_before_last = req.delivered
+            req.before_saves.append(req.delivered)
             if req.read_from is not None:  # a hit (or a resume past what it delivered): from the pool
                 positions += range(req.read_from, start)
                 req.delivered = max(req.delivered, start)
@@ -282,7 +281,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.m_new.clear()
         self.m_resumed.clear()
         self.m_dropped.clear()
-        self.m_dropped_last.clear()
+        self.m_dropped_saves.clear()
         self.m_finished.clear()
         for req, _ in order:
             if req.num_done == req.num_tokens:  # prefill done: it finishes, reported next step
@@ -493,12 +492,13 @@ class CacheMachine(RuleBasedStateMachine):
         self._allocate(hits, fresh)
         req.block_ids = hits + fresh
         req.num_done = len(hits) * BLOCK_SIZE
-        if req.delivered_before_last is not None and data.draw(st.booleans(), label="last_output_dropped"):
-            # The output of its last save never reached its consumer: what that save returned
+        dropped = data.draw(st.integers(0, min(3, len(req.before_saves))), label="dropped_saves")
+        if dropped:
+            # The outputs of its latest saves never reached its consumer: what they returned
             # comes again (from the pool below the resume point, else as it is recomputed).
-            req.delivered = min(req.delivered, req.delivered_before_last)
-            self.m_dropped_last.append(req.req_id)
-            event("a resumed request's last saved output dropped")
+            req.delivered = min(req.delivered, req.before_saves[-dropped])
+            self.m_dropped_saves[req.req_id] = dropped
+            event(f"a resumed request's {dropped} latest saved outputs dropped")
         req.read_from = req.delivered if req.num_done > req.delivered else None
         req.preempted = False
         req.kept = req.old_blocks = ()

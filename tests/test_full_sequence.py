@@ -27,10 +27,10 @@ BS = 4
 DEFERRED = CachePolicy(deferred_keys={"codes"}, token_keys={"codes"})
 
 
-def save(cache, reqs, new=(), resumed=(), finished=(), dropped_last=()):
+def save(cache, reqs, new=(), resumed=(), finished=(), dropped_saves=None):
     """begin_step + save; ``reqs``: (req_id, block_ids, start position, count, writer)."""
     cache.begin_step(
-        StepEvents(new=list(new), resumed=list(resumed), finished=list(finished), dropped_last=list(dropped_last))
+        StepEvents(new=list(new), resumed=list(resumed), finished=list(finished), dropped_saves=dropped_saves or {})
     )
     hidden = torch.cat([rows(w, s, c) for _, _, s, c, w in reqs])
     codes = torch.cat([rows(w, s, c, width=2, dtype=torch.int64) for _, _, s, c, w in reqs])
@@ -598,46 +598,50 @@ def test_a_deferred_key_of_zero_width_rows_is_written_and_served_like_any_other(
 
 
 @pytest.mark.parametrize("policy", [CachePolicy(token_keys={"codes"}), DEFERRED], ids=["pool", "deferred"])
-def test_the_rows_of_a_dropped_last_step_are_delivered_again(policy: CachePolicy) -> None:
+def test_the_rows_of_dropped_saves_are_delivered_again(policy: CachePolicy) -> None:
     # a's prompt (0..6) is delivered; the step decoding 6 is dropped with a preempting reset
     # (vLLM's reset_prefix_cache(reset_running_requests=True) with that step in flight). a
     # resumes recomputing 0..7 and gets 6 again, not 0..6. Then b hits 8 rows, its first step
-    # (the hit rows and 8..10) is dropped likewise, and its resume at 4 gets 0..4 from the pool
-    # and everything it recomputes from there.
+    # (the hit rows and 8..10) and the next (10) are dropped likewise (two steps in flight),
+    # and its resume at 4 gets 0..4 from the pool and everything it recomputes from there.
     with small_cache(policy=policy) as cache:
-        check(
-            cache.materialize(save(cache, [("a", [0, 1], 0, 6, 1)], new=[NewRequest("a", [0, 1])]), ["a"]),
-            "a",
-            (1, 0, 6),
-        )
+        first = save(cache, [("a", [0, 1], 0, 6, 1)], new=[NewRequest("a", [0, 1])])
+        check(cache.materialize(first, ["a"]), "a", (1, 0, 6))
         cache.discard(save(cache, [("a", [0, 1], 6, 1, 2)]))
-        again = save(cache, [("a", [2, 3], 0, 7, 3)], resumed=[ResumedRequest("a", [2, 3], 0)], dropped_last=["a"])
+        again = save(cache, [("a", [2, 3], 0, 7, 3)], resumed=[ResumedRequest("a", [2, 3], 0)], dropped_saves={"a": 1})
         check(cache.materialize(again, ["a"]), "a", (3, 6, 1))
         cache.discard(save(cache, [("b", [2, 3, 4], 8, 2, 4)], new=[NewRequest("b", [2, 3, 4], 8)], finished=["a"]))
+        cache.discard(save(cache, [("b", [2, 3, 4], 10, 1, 4)]))
         again = save(
-            cache, [("b", [2, 5, 6], 4, 6, 5)], resumed=[ResumedRequest("b", [2, 5, 6], 4)], dropped_last=["b"]
+            cache, [("b", [2, 5, 6], 4, 7, 5)], resumed=[ResumedRequest("b", [2, 5, 6], 4)], dropped_saves={"b": 2}
         )
-        check(cache.materialize(again, ["b"]), "b", (3, 0, 4), (5, 4, 6))
+        check(cache.materialize(again, ["b"]), "b", (3, 0, 4), (5, 4, 7))
         assert cache.stats().hits == 1
 
 
 @pytest.mark.parametrize(
-    ("dropped_last", "message"),
+    ("dropped_saves", "message"),
     [
-        ("a", "StepEvents.dropped_last must be a sequence, got the single 'a'"),
-        ([5], r"StepEvents.dropped_last holds request ids \(str, valid UTF-8\), got 5"),
-        (["b"], r"StepEvents.dropped_last names request 'b', which is not live \(never scheduled, or finished\)"),
-        (["a"], "StepEvents.dropped_last names request 'a', which these events do not schedule again"),
+        (["a"], "StepEvents.dropped_saves must map request ids to numbers of saves, got list"),
+        ({5: 1}, r"StepEvents.dropped_saves holds request ids \(str, valid UTF-8\), got 5"),
+        ({"a": 0}, r"request \"a\": 0 dropped saves; it has 1 \(1 to 16 of its latest are kept\)"),
+        ({"a": 2}, r"request \"a\": 2 dropped saves; it has 1"),
+        ({"a": -1}, r"StepEvents.dropped_saves\['a'\] must be a number of saves \(an int >= 1\), got -1"),
+        ({"a": True}, r"must be a number of saves \(an int >= 1\), got True"),
+        ({"b": 1}, r"StepEvents.dropped_saves names request 'b', which is not live \(never scheduled, or finished\)"),
     ],
 )
-def test_bad_dropped_last_steps_are_refused_changing_nothing(dropped_last, message) -> None:
+def test_bad_dropped_saves_are_refused_changing_nothing(dropped_saves, message) -> None:
     with small_cache() as cache:
         cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
         first = cache.materialize(cache.save(rows(1, 0, 4), {}, StepBatch(["a"], [4], np.arange(4))), ["a"])
         assert torch.equal(first.hidden["a"], rows(1, 0, 4))
+        resumed = [ResumedRequest("a", [0, 1], 4)]
         with pytest.raises(InvalidInputError, match=message):
-            cache.begin_step(StepEvents(new=[NewRequest("c", [1])], dropped_last=dropped_last))
+            cache.begin_step(StepEvents(new=[NewRequest("c", [1])], resumed=resumed, dropped_saves=dropped_saves))
         assert cache.stats().requests_live == 1 and cache.stats().misses == 1  # (c not registered)
-        cache.begin_step(StepEvents(resumed=[ResumedRequest("a", [0, 1], 4)]))  # nothing dropped
+        with pytest.raises(InvalidInputError, match="which these events do not schedule again"):
+            cache.begin_step(StepEvents(dropped_saves={"a": 1}))
+        cache.begin_step(StepEvents(resumed=resumed))  # nothing dropped
         sid = cache.save(rows(2, 4, 1), {}, StepBatch(["a"], [1], slots_of([0, 1], 4, 1, BS)))
         assert torch.equal(cache.materialize(sid, ["a"]).hidden["a"], rows(2, 4, 1))

@@ -936,7 +936,7 @@ def test_a_resume_returns_the_rows_of_a_step_in_flight_that_vllm_dropped(runner_
             got.append(out)
         kept = seq[:7] if dropped else seq
         got.append(_step(runner, _resumed("R", kept, runner_kind), _rows(seq, 0, len(kept))))
-        assert runner._pcache_state.tracker.dropped_last == (["R"] if dropped else [])
+        assert runner._pcache_state.tracker.dropped_saves == ({"R": 1} if dropped else {})
         assert torch.equal(torch.cat(got), _rows(seq, 0, len(kept))), "every position once, none missing"
         assert runner.pcache.stats().requests_live == 1
     finally:
@@ -951,42 +951,49 @@ def test_a_dropped_prompt_step_is_returned_from_its_first_position() -> None:
     entries = cached([("R", [5, 6], 0)], resumed={"R"})
     entries.all_token_ids["R"] = [1, 2, 3, 4, 5, 6]
     t.update(so_of(preempted_req_ids={"R"}, cached=entries, counts={"R": 6}))
-    assert t.dropped_last == ["R"]
+    assert t.dropped_saves == {"R": 1}
 
 
-@pytest.mark.parametrize(("steps", "rewinds"), [(1, False), (2, True), (3, False)], ids=["sync", "async", "pipeline-3"])
-def test_the_tracker_rewinds_only_with_at_most_two_steps_in_flight(steps: int, rewinds: bool) -> None:
-    # Sync scheduling has no output in flight to drop; with three steps in flight (pipeline
-    # parallelism) a resume can come before a delivered output is processed, so the tokens
-    # cannot tell a dropped output from one still on its way.
+@pytest.mark.parametrize(
+    ("steps", "kept", "dropped"),
+    [(1, 7, {}), (2, 8, {"R": 1}), (3, 7, {"R": 2}), (3, 8, {"R": 1}), (3, 9, {}), (4, 7, {"R": 2})],
+)
+def test_the_tracker_counts_the_dropped_steps_among_those_that_may_be_in_flight(steps, kept, dropped) -> None:
+    # R's prompt (0..5) samples token 7 and two decodes follow; the reset comes with
+    # ``steps - 1`` SchedulerOutputs possibly in flight (1: none; 2: the last decode; 3 or
+    # more, pipeline parallelism: both decodes). The outputs that arrived ended with a sampled
+    # token each, so R's ``kept`` tokens tell how many of those in flight were dropped.
     t = BlockTracker(steps_in_flight=steps)
     t.update(so_of(new=[new_req("R", [1, 2])], counts={"R": 6}))
     t.update(so_of(cached=cached([("R", None, 6)]), counts={"R": 1}))
+    t.update(so_of(cached=cached([("R", None, 7)]), counts={"R": 1}))
     entries = cached([("R", [5, 6], 0)], resumed={"R"})
-    entries.all_token_ids["R"] = [1, 2, 3, 4, 5, 6, 7]
-    t.update(so_of(preempted_req_ids={"R"}, cached=entries, counts={"R": 7}))
-    assert t.dropped_last == (["R"] if rewinds else [])
+    entries.all_token_ids["R"] = list(range(1, kept + 1))
+    t.update(so_of(preempted_req_ids={"R"}, cached=entries, counts={"R": kept}))
+    assert t.dropped_saves == dropped
 
 
-def test_the_tracker_rewinds_a_resume_steps_later_and_forgets_what_finished() -> None:
+def test_the_tracker_counts_a_resume_steps_later_and_forgets_what_finished() -> None:
     t = BlockTracker(steps_in_flight=2)
-    t.update(so_of(new=[new_req("A", [1, 2]), new_req("B", [3, 4]), new_req("C", [7])], counts={"A": 6, "B": 5}))
-    t.update(so_of(cached=cached([("A", None, 6), ("B", None, 5)]), counts={"A": 1, "B": 1}))
-    # The reset preempts A, B and C (C was not in the step before: nothing of it in flight);
-    # none fits yet; B is aborted while waiting.
-    undo = t.update(so_of(preempted_req_ids={"A", "B", "C"}))
-    assert t.dropped_last == [] and set(t._spans_in_flight) == {"A", "B"}
+    first = [new_req("A", [1, 2]), new_req("B", [3, 4]), new_req("C", [7]), new_req("D", [8])]
+    t.update(so_of(new=first, counts={"A": 6, "B": 5, "D": 3}))
+    t.update(so_of(cached=cached([("A", None, 6), ("B", None, 5), ("D", None, 3)]), counts={"A": 1, "B": 1, "D": 1}))
+    # The reset preempts A, B, C and D (C was not in the step before: nothing of it in flight;
+    # D is aborted in the same output); none fits yet; B is aborted while waiting.
+    gone = so_of(preempted_req_ids={"A", "B", "C", "D"}, finished={"D"})
+    undo = t.update(gone)
+    assert t.dropped_saves == {} and set(t._spans_in_flight) == {"A", "B"}
     undo()
-    assert t._spans_in_flight == {} and t._previous is not None
-    t.update(so_of(preempted_req_ids={"A", "B", "C"}))
+    assert t._spans_in_flight == {} and len(t._recent) == 1
+    t.update(gone)
     t.update(so_of(finished={"B"}))
     assert set(t._spans_in_flight) == {"A"}
     entries = cached([("A", [8, 9], 0), ("C", [10], 0)], resumed={"A", "C"})
     entries.all_token_ids.update(A=[1, 2, 3, 4, 5, 6, 7], C=[1, 2])
     undo = t.update(so_of(cached=entries, counts={"A": 7, "C": 2}))
-    assert t.dropped_last == ["A"] and t._spans_in_flight == {}
+    assert t.dropped_saves == {"A": 1} and t._spans_in_flight == {}
     undo()
-    assert t.dropped_last == [] and set(t._spans_in_flight) == {"A"}
+    assert t.dropped_saves == {} and set(t._spans_in_flight) == {"A"}
 
 
 def test_the_tracker_leaves_a_resume_whose_tokens_vllm_did_not_send() -> None:
@@ -995,7 +1002,7 @@ def test_the_tracker_leaves_a_resume_whose_tokens_vllm_did_not_send() -> None:
     t = BlockTracker(steps_in_flight=2)
     t.update(so_of(new=[new_req("R", [1, 2])], counts={"R": 6}))
     t.update(so_of(preempted_req_ids={"R"}, cached=cached([("R", [5, 6], 0)], resumed={"R"}), counts={"R": 6}))
-    assert t.dropped_last == []
+    assert t.dropped_saves == {}
 
 
 @pytest.mark.parametrize(
@@ -1006,3 +1013,19 @@ def test_steps_in_flight_follows_vllms_batch_queue(async_scheduling, pp: int, st
     from omni_pcache.vllm import steps_in_flight
 
     assert steps_in_flight(T.SchedulerConfig(async_scheduling=async_scheduling), T.ParallelConfig(pp)) == steps
+
+
+def test_a_second_reset_does_not_count_the_steps_an_earlier_resume_settled() -> None:
+    # Three steps in flight (pipeline parallelism). R's prompt step [4, 11) is dropped by a
+    # reset; R resumes with its 11 tokens and a prompt chunk [4, 10); a second reset (after a
+    # pause: that chunk's output arrived) resumes it again with the same 11 tokens. Only the
+    # chunk may have been in flight then: the prompt step, before the first resume, is not
+    # counted again.
+    t = BlockTracker(steps_in_flight=3)
+    prompt = list(range(1, 12))
+    t.update(so_of(new=[new_req("R", [1, 2, 3], 4)], counts={"R": 7}))
+    again = dataclasses.replace(new_req("R", [4, 5, 6], 4), prefill_token_ids=prompt)
+    t.update(so_of(preempted_req_ids={"R"}, new=[again], counts={"R": 6}))
+    assert t.dropped_saves == {"R": 1}
+    t.update(so_of(preempted_req_ids={"R"}, new=[again], counts={"R": 5}))
+    assert t.dropped_saves == {}

@@ -189,20 +189,24 @@ def test_streaming_input_session(v2: bool, async_scheduling: bool) -> None:
     assert counts["s"] == 33 and result.requests["s"].status == RequestStatus.FINISHED_ABORTED
 
 
-def random_stage(rng: random.Random, pool_sizes: list[int], async_share: float):
+def random_stage(rng: random.Random, pool_sizes: list[int], async_share: float, pipeline_parallel_size: int = 1):
     """A seeded stage: block size, pool size (one of ``pool_sizes``), step budget, batch size,
     long-prefill threshold, runner kind, and async scheduling in ``async_share`` of them.
     Returns the stage, its block size and its number of blocks."""
     block_size, budget = rng.choice([2, 4, 8]), rng.choice([8, 16, 32, 64])
     num_blocks = rng.choice(pool_sizes)
+    max_num_seqs = min(budget, rng.choice([2, 4, 8]))
+    async_scheduling, v2 = rng.random() < async_share, rng.random() < 0.5
     stage = make_stage(
         num_blocks=num_blocks,
         block_size=block_size,
         max_num_batched_tokens=budget,
-        max_num_seqs=min(budget, rng.choice([2, 4, 8])),
-        async_scheduling=rng.random() < async_share,
-        v2=rng.random() < 0.5,
+        max_num_seqs=max_num_seqs,
+        # (vLLM's V1 runner does not support async scheduling with pipeline parallelism)
+        async_scheduling=async_scheduling and (v2 or pipeline_parallel_size == 1),
+        v2=v2,
         long_prefill_token_threshold=rng.choice([0, 0, 6]),
+        pipeline_parallel_size=pipeline_parallel_size,
     )
     return stage, block_size, num_blocks
 
@@ -242,10 +246,12 @@ def test_random_workloads(seed: int) -> None:
 def test_random_workloads_with_resets(seed: int) -> None:
     """The seeded mixes of test_random_workloads with up to three
     ``reset_prefix_cache(reset_running_requests=True)`` calls at random iterations: between
-    steps, or after a pause that lets the steps in flight finish. (A reset while a prefill chunk
-    that samples nothing is in flight pauses first: the known gap.)"""
+    steps, or after a pause that lets the steps in flight finish; a third of them with pipeline
+    parallelism (2 or 3 stages: up to 3 steps in flight). (A reset while a prefill chunk that
+    samples nothing is in flight pauses first: the known gap.)"""
     rng = random.Random(seed)
-    stage, block_size, num_blocks = random_stage(rng, [24, 32, 48, 96], async_share=0.7)
+    pp = [1, 1, 1, 1, 2, 3][seed % 6]
+    stage, block_size, num_blocks = random_stage(rng, [24, 32, 48, 96], async_share=0.7, pipeline_parallel_size=pp)
     reqs = random_requests(rng, block_size, num_blocks)
     last = max(r.arrival for r in reqs) + 30
     resets = {rng.randrange(1, last) for _ in range(rng.randrange(1, 4))}

@@ -147,6 +147,7 @@ class Stage:
     kv_cache_config: KVCacheConfig
     scheduler: Any
     block_hasher: Any
+    queue_size: int  # the engine's batch queue (max_concurrent_batches, under the runner kind's env)
 
     @property
     def block_size(self) -> int:
@@ -176,6 +177,7 @@ def make_stage(
     async_scheduling: bool = False,
     v2: bool = False,
     long_prefill_token_threshold: int = 0,
+    pipeline_parallel_size: int = 1,
 ) -> Stage:
     """vLLM's scheduler for a one-group full-attention stage with prefix caching on. ``v2``: the
     scheduler talks to the V2 model runner (it sends resumed requests again as new ones)."""
@@ -197,6 +199,9 @@ def make_stage(
         # vLLM's CPU platform turns async scheduling off while it validates the config (it has
         # no async executor); the scheduler itself is plain Python, so turn it on as on a GPU.
         vc.scheduler_config.async_scheduling = async_scheduling
+        # (likewise pipeline parallelism: only its batch queue matters here, the stage being the
+        # last one, which the scheduler's outputs reach as they reach every stage)
+        vc.parallel_config.pipeline_parallel_size = pipeline_parallel_size
         assert vc.use_v2_model_runner == v2
         assert vc.cache_config.enable_prefix_caching and vc.cache_config.block_size == block_size
         vc.cache_config.num_gpu_blocks = num_blocks
@@ -204,6 +209,7 @@ def make_stage(
         kv = KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)]
         )
+        queue_size = vc.max_concurrent_batches  # (reads the runner kind from the environment)
         scheduler = vc.scheduler_config.get_scheduler_cls()(
             vllm_config=vc,
             kv_cache_config=kv,
@@ -213,7 +219,7 @@ def make_stage(
         )
     hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
-    return Stage(vc, kv, scheduler, get_request_block_hasher(block_size, hash_fn))
+    return Stage(vc, kv, scheduler, get_request_block_hasher(block_size, hash_fn), queue_size)
 
 
 # ---- the runner --------------------------------------------------------------------------
@@ -520,8 +526,7 @@ def run(
     c = runner.counters
     requests: dict[str, Request] = {}
     arrivals = sorted(reqs, key=lambda r: r.arrival)
-    queue_size = stage.vllm_config.max_concurrent_batches
-    assert queue_size == (2 if stage.vllm_config.scheduler_config.async_scheduling else 1)
+    queue_size = stage.queue_size  # (async: 2; pipeline: its depth, +1 with async and the V2 runner)
     batch_queue: deque[tuple[SchedulerOutput, int, int | None, list[str], ModelRunnerOutput]] = deque()
 
     def process_oldest() -> None:

@@ -13,6 +13,8 @@ SOURCE_ABSENT: int
 SOURCE_POOL: int
 """`ReadPlan.sources` code of a slot whose row is in the pool."""
 HASH_SEED: int
+MAX_DROPPED_SAVES: int
+"""The most latest saves of one request `StepEvents.dropped_saves` can name."""
 
 TaskStateName = Literal["PENDING", "QUEUED", "COPYING", "HOST_READY", "WRITTEN", "FAILED"]
 IndexArray = npt.NDArray[np.int64]
@@ -235,11 +237,11 @@ class Deliveries:
         resumed_type: type,
         num_blocks: int,
         dropped: dict[str, int],
-        dropped_last: Iterable[str],
+        dropped_saves: dict[str, int],
     ) -> tuple[int, int, list[str]]:
         """A step's events checked, then registered: ``finished`` forgotten, the ``dropped``
-        positions of live requests, and what the last save returned for each of
-        ``dropped_last``, counted as not delivered, each new and resumed request
+        positions of live requests, and what the last ``n`` saves returned for each
+        ``dropped_saves`` entry, counted as not delivered, each new and resumed request
         scheduled. Returns ``(hits, misses, reentered)`` (the live requests
         scheduled again). Raises `InvalidInputError` for the first problem, changing nothing."""
     def take_step(

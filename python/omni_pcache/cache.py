@@ -244,9 +244,9 @@ class PrefixCache:
         new = as_list(events.new, "StepEvents.new")
         resumed = as_list(events.resumed, "StepEvents.resumed")
         dropped = as_position_map(events.dropped, "StepEvents.dropped")
-        dropped_last = as_list(events.dropped_last, "StepEvents.dropped_last")
+        dropped_saves = as_position_map(events.dropped_saves, "StepEvents.dropped_saves", "numbers of saves")
         hits, misses, reentered = self._delivery.begin(
-            finished, new, resumed, NewRequest, ResumedRequest, self._config.num_blocks, dropped, dropped_last
+            finished, new, resumed, NewRequest, ResumedRequest, self._config.num_blocks, dropped, dropped_saves
         )
         self._requests_live = len(self._delivery)  # (for `stats` on any thread: `Deliveries` is the engine thread's)
         flushed = 0

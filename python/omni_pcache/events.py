@@ -39,16 +39,17 @@ class StepEvents:
     ends with a step in flight): those positions are delivered again, from the pool below the
     request's resume point, else when computed again. The request must be scheduled again in
     the same events (``new`` or ``resumed``); ``begin_step`` refuses a dropped entry for one
-    that is not, or that is not live. ``dropped_last`` names live requests whose last saved
-    step's output never reached the consumer (vLLM's ``reset_prefix_cache(reset_running_requests=True)``
-    drops the output of a step in flight): every row that step returned for them, its prefix
-    hit's included, is delivered again, on the same conditions."""
+    that is not, or that is not live. ``dropped_saves`` maps a live request to how many of its
+    latest saved steps' outputs never reached its consumer (vLLM's
+    ``reset_prefix_cache(reset_running_requests=True)`` drops the outputs of the steps in
+    flight): every row those steps returned for it, prefix-hit rows included, is delivered
+    again, on the same conditions (no more than it had, at most ``_native.MAX_DROPPED_SAVES`` = 16)."""
 
     new: Sequence[NewRequest] = ()
     resumed: Sequence[ResumedRequest] = ()
     finished: Sequence[str] = ()
     dropped: Mapping[str, int] = field(default_factory=dict)
-    dropped_last: Sequence[str] = ()
+    dropped_saves: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

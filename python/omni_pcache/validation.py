@@ -45,16 +45,17 @@ def as_list(value: object, what: str) -> list:
         raise InvalidInputError(f"{what} must be a sequence, got {type(value).__name__}") from None
 
 
-def as_position_map(value: object, what: str) -> dict:
-    """``value`` (request id -> position) as a dict: a dict as it is, any other mapping (or
-    iterable of pairs) copied into one; anything else raises `InvalidInputError` naming
-    ``what``. The ids and positions themselves are checked natively (`Deliveries.begin`)."""
+def as_position_map(value: object, what: str, values: str = "positions") -> dict:
+    """``value`` (request id -> position, or the ``values`` named) as a dict: a dict as it is,
+    any other mapping (or iterable of pairs) copied into one; anything else raises
+    `InvalidInputError` naming ``what``. The ids and values themselves are checked natively
+    (`Deliveries.begin`)."""
     if type(value) is dict:
         return value
     try:
         return dict(value)  # type: ignore[call-overload]
     except (TypeError, ValueError):
-        raise InvalidInputError(f"{what} must map request ids to positions, got {type(value).__name__}") from None
+        raise InvalidInputError(f"{what} must map request ids to {values}, got {type(value).__name__}") from None
 
 
 def check_timeout(timeout_s: object, what: str) -> None:

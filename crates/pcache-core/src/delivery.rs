@@ -18,7 +18,7 @@
 //! Each live request has `next_pos`, the position of the next row the engine will save for it.
 //! Engine thread only (`begin_step` and `save`); the binding holds it under its own borrow.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use crate::block_table::slots_of;
 use crate::error::{Error, Result};
@@ -35,13 +35,18 @@ pub struct StepRows {
     pub drop: usize,
 }
 
+/// How many of a request's latest saves [`Deliveries::undeliver_saves`] can undo: more than
+/// any engine keeps in flight (vLLM: the pipeline depth, plus one with async scheduling).
+pub const MAX_DROPPED_SAVES: usize = 16;
+
 /// One live request's positions, and the pool read due with its next save.
 #[derive(Debug, Default)]
 struct Delivery {
     next_pos: usize,
     delivered: usize,
-    /// `delivered` before its last save took its rows (`None`: no save yet).
-    delivered_before_last: Option<usize>,
+    /// `delivered` before each of its latest saves took its rows, oldest first (at most
+    /// [`MAX_DROPPED_SAVES`]).
+    before_saves: VecDeque<usize>,
     /// Slots of positions `[read_from, next_pos)`, read with the next save.
     read: Option<Vec<i64>>,
 }
@@ -109,22 +114,40 @@ impl Deliveries {
         }
     }
 
-    /// The consumer of live request `req_id` never got the rows of its last save (the engine
-    /// dropped that output: vLLM's `reset_prefix_cache(reset_running_requests=True)` with a step
-    /// in flight): what that save returned for it, its pool read included, counts as not
+    /// Checks [`Deliveries::undeliver_saves`]'s `count` for `req_id` (changing nothing): 0, more
+    /// than [`MAX_DROPPED_SAVES`], or more saves than a live request had, is refused.
+    pub fn check_dropped_saves(&self, req_id: &str, count: usize) -> Result<()> {
+        let saves = self
+            .live
+            .get(req_id)
+            .map_or(0, |state| state.before_saves.len());
+        if count == 0 || count > MAX_DROPPED_SAVES || (saves > 0 && count > saves) {
+            return Err(Error::InvalidInput {
+                what: format!(
+                    "request {req_id:?}: {count} dropped saves; it has {saves} (1 to {MAX_DROPPED_SAVES} of its latest are kept)"
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// The consumer of live request `req_id` never got the rows of its last `count` saves (the
+    /// engine dropped those outputs: vLLM's `reset_prefix_cache(reset_running_requests=True)`
+    /// with steps in flight): what they returned for it, pool reads included, counts as not
     /// delivered, as in [`Deliveries::undeliver_from`]. Returns whether the request is live and
-    /// was saved (else nothing to do).
-    pub fn undeliver_last(&mut self, req_id: &str) -> bool {
-        match self.live.get_mut(req_id) {
-            Some(Delivery {
-                delivered,
-                delivered_before_last: Some(before),
-                ..
-            }) => {
-                *delivered = (*delivered).min(*before);
-                true
+    /// was saved (else nothing to do). Refuses, changing nothing, what
+    /// [`Deliveries::check_dropped_saves`] refuses.
+    pub fn undeliver_saves(&mut self, req_id: &str, count: usize) -> Result<bool> {
+        self.check_dropped_saves(req_id, count)?;
+        let Some(state) = self.live.get_mut(req_id) else {
+            return Ok(false);
+        };
+        match state.before_saves.len().checked_sub(count) {
+            Some(at) => {
+                state.delivered = state.delivered.min(state.before_saves[at]);
+                Ok(true)
             }
-            _ => false,
+            None => Ok(false), // (never saved)
         }
     }
 
@@ -176,7 +199,10 @@ impl Deliveries {
                 None => self.live.entry(req_id.to_owned()).or_default(),
             };
             let start = state.next_pos;
-            state.delivered_before_last = Some(state.delivered);
+            if state.before_saves.len() == MAX_DROPPED_SAVES {
+                state.before_saves.pop_front();
+            }
+            state.before_saves.push_back(state.delivered);
             if let Some(slots) = state.read.take() {
                 reads.push((i, slots));
                 state.delivered = state.delivered.max(start);
@@ -247,14 +273,17 @@ mod tests {
     }
 
     #[test]
-    fn a_dropped_last_save_is_delivered_again_and_only_what_it_returned() {
+    fn dropped_saves_are_delivered_again_and_only_what_they_returned() {
         let mut d = Deliveries::new(4).unwrap();
-        assert!(!d.undeliver_last("a"), "not live");
+        assert!(!d.undeliver_saves("a", 1).unwrap(), "not live");
         d.schedule("a", &[0, 1, 2, 3], 0).unwrap();
-        assert!(!d.undeliver_last("a"), "live, never saved: nothing to do");
+        assert!(
+            !d.undeliver_saves("a", 1).unwrap(),
+            "live, never saved: nothing to do"
+        );
         d.take_step([("a", 0, 6)]).unwrap(); // delivered [0, 6)
         d.take_step([("a", 0, 1)]).unwrap(); // position 6, its output then dropped
-        assert!(d.undeliver_last("a"));
+        assert!(d.undeliver_saves("a", 1).unwrap());
         d.schedule("a", &[4, 5], 0).unwrap(); // resumed from 0, recomputing [0, 7)
         let (rows, _) = d.take_step([("a", 0, 7)]).unwrap();
         assert_eq!(
@@ -264,19 +293,50 @@ mod tests {
         // A save that recomputes delivered rows and adds one: dropping it loses only that one.
         d.schedule("a", &[4, 5, 6], 4).unwrap();
         d.take_step([("a", 0, 4)]).unwrap(); // [4, 8): only 7 was new
-        assert!(d.undeliver_last("a"));
+        assert!(d.undeliver_saves("a", 1).unwrap());
         d.schedule("a", &[4, 5, 6], 4).unwrap();
         let (rows, _) = d.take_step([("a", 0, 4)]).unwrap();
         assert_eq!(rows[0].drop, 3, "7 again, 4..7 not");
+        // Two saves dropped (two steps in flight): both come again.
+        d.take_step([("a", 0, 1)]).unwrap(); // 8
+        d.take_step([("a", 0, 1)]).unwrap(); // 9
+        assert!(d.undeliver_saves("a", 2).unwrap());
+        d.schedule("a", &[4, 5, 6], 8).unwrap();
+        let (rows, _) = d.take_step([("a", 0, 2)]).unwrap();
+        assert_eq!(rows[0].drop, 0, "8 and 9 again");
         // A dropped save that carried a pool read: the read rows come again too.
         d.finish("a");
         d.schedule("a", &[7, 8], 8).unwrap(); // a hit of 8
         let (_, reads) = d.take_step([("a", 0, 1)]).unwrap();
         assert_eq!(reads.len(), 1);
-        assert!(d.undeliver_last("a"));
+        assert!(d.undeliver_saves("a", 1).unwrap());
         assert!(d.schedule("a", &[7, 8, 9], 4).unwrap(), "[0, 4) read again");
         let (rows, reads) = d.take_step([("a", 0, 5)]).unwrap();
         assert_eq!((reads, rows[0].drop), (vec![(0, vec![28, 29, 30, 31])], 0));
+    }
+
+    #[test]
+    fn more_dropped_saves_than_a_request_had_or_kept_are_refused_changing_nothing() {
+        let mut d = Deliveries::new(4).unwrap();
+        d.take_step([("a", 0, 2)]).unwrap();
+        d.take_step([("a", 0, 1)]).unwrap();
+        for count in [0, 3, MAX_DROPPED_SAVES + 1] {
+            let err = d.undeliver_saves("a", count).unwrap_err();
+            assert!(err.to_string().contains("dropped saves; it has 2"), "{err}");
+        }
+        let (rows, _) = d.take_step([("a", 0, 1)]).unwrap();
+        assert_eq!(rows[0].drop, 0, "nothing was rewound: position 3 is new");
+        for _ in 0..2 * MAX_DROPPED_SAVES {
+            d.take_step([("a", 0, 1)]).unwrap();
+        }
+        assert!(
+            d.undeliver_saves("a", MAX_DROPPED_SAVES).unwrap(),
+            "the latest are kept"
+        );
+        d.schedule("a", &[0; 16], 4 + 2 * MAX_DROPPED_SAVES - MAX_DROPPED_SAVES)
+            .unwrap();
+        let (rows, _) = d.take_step([("a", 0, 1)]).unwrap();
+        assert_eq!(rows[0].drop, 0);
     }
 
     #[test]

@@ -34,6 +34,32 @@ fn req_id_of(value: &Bound<'_, PyAny>, what: &dyn std::fmt::Display) -> PyResult
     }
 }
 
+/// The `{req_id: n}` entries of `StepEvents.{field}`, each `n` an int >= 0 (else
+/// `InvalidInputError` saying it must be `what`), with their keys as given.
+fn id_counts<'py>(
+    map: &Bound<'py, PyDict>,
+    field: &str,
+    what: &str,
+) -> PyResult<Vec<(String, usize, Bound<'py, PyAny>)>> {
+    let mut out = Vec::with_capacity(map.len());
+    for (key, value) in map.iter() {
+        let req_id = req_id_of(&key, &format_args!("StepEvents.{field}"))?;
+        let n = value
+            .extract::<usize>()
+            .ok()
+            .filter(|_| !value.is_instance_of::<PyBool>())
+            .ok_or_else(|| {
+                invalid_input(format!(
+                    "StepEvents.{field}[{}] must be {what}, got {}",
+                    repr_of(&key),
+                    repr_of(&value)
+                ))
+            })?;
+        out.push((req_id, n, key));
+    }
+    Ok(out)
+}
+
 /// The live requests' delivered spans, keyed by request id (see `pcache_core::delivery`).
 #[pyclass(module = "omni_pcache._native")]
 pub struct Deliveries {
@@ -118,7 +144,8 @@ impl Deliveries {
     /// Checks a step's events, then registers them: the `finished` ids are forgotten, the
     /// `dropped` positions (`{req_id: position}`) of live requests scheduled again in these
     /// events (new or resumed; else refused) count as not delivered, as do the rows the last
-    /// save returned for each of `dropped_last` (the same conditions), then
+    /// `n` saves returned for each `dropped_saves` entry `{req_id: n}` (the same conditions, and
+    /// `n` from 1 to the saves it had, at most `MAX_DROPPED_SAVES`), then
     /// each `new` and `resumed` request (instances of `new_type` and `resumed_type`) is scheduled
     /// with its block table. A request that is not live (or finishes in these events) with
     /// `num_computed_tokens > 0` is a prefix hit and must cover whole blocks; a live one may
@@ -135,33 +162,18 @@ impl Deliveries {
         resumed_type: &Bound<'_, PyType>,
         num_blocks: u32,
         dropped: &Bound<'_, PyDict>,
-        dropped_last: &Bound<'_, PyAny>,
+        dropped_saves: &Bound<'_, PyDict>,
     ) -> PyResult<Begun> {
         let finished = finished
             .try_iter()?
             .map(|id| req_id_of(&id?, &"StepEvents.finished"))
             .collect::<PyResult<Vec<_>>>()?;
-        let mut undelivered = Vec::with_capacity(dropped.len());
-        for (key, position) in dropped.iter() {
-            let req_id = req_id_of(&key, &"StepEvents.dropped")?;
-            let position = position
-                .extract::<usize>()
-                .ok()
-                .filter(|_| !position.is_instance_of::<PyBool>())
-                .ok_or_else(|| {
-                    invalid_input(format!(
-                        "StepEvents.dropped[{}] must be a position (an int >= 0), got {}",
-                        repr_of(&key),
-                        repr_of(&position)
-                    ))
-                })?;
-            undelivered.push((req_id, position, key));
-        }
-        let mut last_undelivered = Vec::new();
-        for key in dropped_last.try_iter()? {
-            let key = key?;
-            last_undelivered.push((req_id_of(&key, &"StepEvents.dropped_last")?, key));
-        }
+        let undelivered = id_counts(dropped, "dropped", "a position (an int >= 0)")?;
+        let saves_undelivered = id_counts(
+            dropped_saves,
+            "dropped_saves",
+            "a number of saves (an int >= 1)",
+        )?;
         let ending: HashSet<&str> = finished.iter().map(String::as_str).collect();
         let mut scheduled = Vec::new();
         let mut seen = HashSet::new();
@@ -189,9 +201,9 @@ impl Deliveries {
             .iter()
             .map(|(req_id, _, key)| ("dropped", req_id, key))
             .chain(
-                last_undelivered
+                saves_undelivered
                     .iter()
-                    .map(|(req_id, key)| ("dropped_last", req_id, key)),
+                    .map(|(req_id, _, key)| ("dropped_saves", req_id, key)),
             );
         for (field, req_id, key) in named {
             let not = if ending.contains(req_id.as_str()) || !self.inner.is_live(req_id) {
@@ -206,14 +218,18 @@ impl Deliveries {
                 repr_of(key)
             )));
         }
+        for (req_id, count, _) in &saves_undelivered {
+            self.inner.check_dropped_saves(req_id, *count).py_err()?;
+        }
         for req_id in &finished {
             self.inner.finish(req_id);
         }
         for (req_id, position, _) in &undelivered {
             self.inner.undeliver_from(req_id, *position);
         }
-        for (req_id, _) in &last_undelivered {
-            self.inner.undeliver_last(req_id);
+        for (req_id, count, _) in &saves_undelivered {
+            // (cannot be refused: checked above)
+            self.inner.undeliver_saves(req_id, *count).py_err()?;
         }
         let (mut hits, mut misses, mut reentered) = (0, 0, Vec::new());
         for req in scheduled {

@@ -26,6 +26,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SOURCE_ABSENT", pcache_core::ledger::SOURCE_ABSENT)?;
     m.add("SOURCE_POOL", pcache_core::ledger::SOURCE_POOL)?;
     m.add("HASH_SEED", pcache_core::hashing::HASH_SEED)?;
+    m.add(
+        "MAX_DROPPED_SAVES",
+        pcache_core::delivery::MAX_DROPPED_SAVES,
+    )?;
     m.add_class::<tasks::WriteTasks>()?;
     m.add_class::<ledger::Ledger>()?;
     m.add_class::<ledger::ClaimOutcome>()?;

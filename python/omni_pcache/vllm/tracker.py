@@ -15,19 +15,19 @@ SchedulerOutput, in order, including steps with zero scheduled tokens):
 - each ``scheduled_cached_reqs`` entry appends ``new_block_ids[i][0]`` (``None`` = no new blocks),
   or replaces the list when the id is in ``resumed_req_ids``.
 
-Outputs vLLM drops (`dropped_last`): ``reset_prefix_cache(reset_running_requests=True)``
-preempts every running request with ``drop_stale_output``, so the output of a step still in
-flight (async scheduling) never reaches the consumer, though the cache counted its rows as
-delivered. With at most two steps in flight (``steps_in_flight``) only the SchedulerOutput
-before the preemption can be, so the tracker keeps each preempted request's span in it. At the
-resume the request's tokens (``all_token_ids`` for the V1 runner, ``prefill_token_ids`` for
-V2) tell: an output that reached the consumer ended its span with a sampled token, so a span
-ending at or past the token count was dropped, and the request is in ``dropped_last`` (the
-cache's ``StepEvents.dropped_last``: what that step returned is delivered again). A normal
-preemption's output in flight is delivered and processed before the resume, so its token is
-there. Not seen: a dropped prefill chunk that samples nothing (the tokens are the prompt's
-either way). With more steps in flight (pipeline parallelism) none is named: there a resume
-can come before a delivered output is processed.
+Outputs vLLM drops (`dropped_saves`): ``reset_prefix_cache(reset_running_requests=True)``
+preempts every running request with ``drop_stale_output``, so the outputs of the steps still in
+flight (async scheduling, pipeline parallelism) never reach the consumer, though the cache
+counted their rows as delivered. Only the last ``steps_in_flight - 1`` SchedulerOutputs before
+the preemption can be in flight, so the tracker keeps them and, at a preemption, the request's
+spans in them. At the resume the request's tokens (``all_token_ids`` for the V1 runner,
+``prefill_token_ids`` for V2) tell: outputs arrive in order and one that reached the consumer
+ended its span with a sampled token, so the spans ending at or past the token count are the
+dropped ones, its latest saves; their count is the request's ``dropped_saves`` entry (the
+cache's ``StepEvents.dropped_saves``: what those steps returned is delivered again). A normal
+preemption's outputs in flight are delivered, and vLLM holds its resume until they are
+processed, so their tokens are there. Not seen: a dropped prefill chunk that samples nothing
+(the tokens are the prompt's either way), with the prefix-hit rows its step returned.
 
 A ``SchedulerOutput`` carrying ``kv_cache_block_copies`` is refused with `ConfigError` (the
 scheduler copies a block's KV for a sub-block hit; the cache does not mirror those copies), and
@@ -38,6 +38,7 @@ step's events, so a refused step leaves the tracker as it was. Engine thread onl
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -74,9 +75,9 @@ def resumed_ids(cached: Any) -> set[str]:
 _ABSENT = object()  # (an undo entry's "the request was not known")
 
 
-def _span_in(scheduler_output: Any, req_id: str) -> tuple[int, int] | None:
-    """The positions ``[start, end)`` a SchedulerOutput computes for ``req_id`` (``None``: not
-    scheduled in it)."""
+def _span_in(scheduler_output: Any, req_id: str) -> tuple[int, int, bool] | None:
+    """The positions ``[start, end)`` a SchedulerOutput computes for ``req_id``, and whether it
+    (re)enters there (new, or resumed); ``None``: not scheduled in it."""
     so = scheduler_output
     count = so.num_scheduled_tokens.get(req_id)
     if not count:
@@ -84,18 +85,38 @@ def _span_in(scheduler_output: Any, req_id: str) -> tuple[int, int] | None:
     cached = so.scheduled_cached_reqs
     if req_id in cached.req_ids:
         start = cached.num_computed_tokens[cached.req_ids.index(req_id)]
+        enters = req_id in resumed_ids(cached)
     else:
         start = next((r.num_computed_tokens for r in so.scheduled_new_reqs if r.req_id == req_id), None)
         if start is None:  # (counted but listed nowhere: nothing to go by)
             return None
-    return int(start), int(start) + int(count)
+        enters = True
+    return int(start), int(start) + int(count), enters
 
 
-def _dropped_in_flight(span: tuple[int, int], tokens: Sequence[int] | None) -> bool:
-    """Whether the output of a resumed request's ``span`` in flight at its preemption was
-    dropped: the span ends at or past the request's ``tokens`` at the resume (a delivered
-    output's sampled token would be among them). ``tokens`` ``None``: not known, so no."""
-    return tokens is not None and len(tokens) <= span[1]
+def _spans_since_entry(recent: deque[Any], req_id: str) -> list[tuple[int, int]]:
+    """``req_id``'s spans in the ``recent`` SchedulerOutputs (oldest first) since it last
+    (re)entered: those of its saves that may still be in flight (an earlier one, before a
+    preemption, belongs to what an earlier resume already settled)."""
+    spans = []
+    for past in reversed(recent):
+        found = _span_in(past, req_id)
+        if found is not None:
+            spans.append(found[:2])
+            if found[2]:
+                break
+    spans.reverse()
+    return spans
+
+
+def _dropped_saves(spans: list[tuple[int, int]], tokens: Sequence[int] | None) -> int:
+    """How many of a resumed request's ``spans`` possibly in flight at its preemption (oldest
+    first) had their outputs dropped: those ending at or past its ``tokens`` at the resume (a
+    delivered output's sampled token would be among them), its latest. ``tokens`` ``None``:
+    not known, so none."""
+    if tokens is None:
+        return 0
+    return sum(1 for _, end in spans if end >= len(tokens))
 
 
 class BlockTracker:
@@ -103,19 +124,20 @@ class BlockTracker:
 
     def __init__(self, steps_in_flight: int = 1) -> None:
         """``steps_in_flight``: the most SchedulerOutputs the engine runs ahead of the outputs it
-        has taken (vLLM's ``max_concurrent_batches``: 2 with async scheduling, the pipeline depth
-        with pipeline parallelism, else 1); dropped outputs are watched for only up to 2."""
+        has taken (`gate.steps_in_flight`: vLLM's ``max_concurrent_batches``); at 1 (the default)
+        no output is ever in flight, so none is dropped."""
         self._blocks: dict[str, list[int] | None] = {}  # None: preempted, blocks freed
         # The last update's new requests that were live and not preempted: a streaming-input
         # session's next chunk (vLLM rewinds such a request to the rows its consumer got).
         self.continued: set[str] = set()
-        # The last update's resumed requests whose last step's output, in flight, vLLM dropped.
-        self.dropped_last: list[str] = []
-        self._watches_drops = 1 < steps_in_flight <= 2  # (nothing is ever in flight at 1)
-        self._previous: Any = None  # the last SchedulerOutput applied
-        # Preempted requests' spans (start, end) in the SchedulerOutput before their preemption,
-        # whose output may still have been in flight.
-        self._spans_in_flight: dict[str, tuple[int, int]] = {}
+        # The last update's resumed requests whose latest steps' outputs, in flight, vLLM
+        # dropped: how many.
+        self.dropped_saves: dict[str, int] = {}
+        # The SchedulerOutputs that may be in flight at the next update, oldest first.
+        self._recent: deque[Any] = deque(maxlen=max(0, steps_in_flight - 1))
+        # Preempted requests' spans (start, end) in the SchedulerOutputs that may have been in
+        # flight at their preemption, oldest first.
+        self._spans_in_flight: dict[str, list[tuple[int, int]]] = {}
 
     def update(self, scheduler_output: Any) -> Callable[[], None]:
         """Applies one SchedulerOutput (see the module doc for the rules). Returns a function
@@ -166,17 +188,19 @@ class BlockTracker:
                     "every SchedulerOutput must reach pcache_begin_step, in order"
                 )
         blocks_of = self._blocks
-        continued_before, dropped_before, previous_before = self.continued, self.dropped_last, self._previous
+        continued_before, dropped_before = self.continued, self.dropped_saves
+        recent = self._recent
+        # (the output this update pushes out of `recent`, put back by the undo)
+        dropped_out = recent[0] if recent.maxlen and len(recent) == recent.maxlen else _ABSENT
         spans = self._spans_in_flight
-        spans_before = dict(spans) if spans or (preempted and self._watches_drops) else None
+        spans_before = dict(spans) if spans or (preempted and recent) else None
         if spans_before is not None:  # (only around preemptions: a plain step does nothing here)
             for req_id in finished:
                 spans.pop(req_id, None)
-            if self._previous is not None:
-                for req_id in preempted:
-                    span = _span_in(self._previous, req_id)
-                    if span is not None:
-                        spans[req_id] = span
+            for req_id in preempted - finished:
+                in_flight = _spans_since_entry(recent, req_id)
+                if in_flight:
+                    spans[req_id] = in_flight
         # What each changed request had before, oldest first: (req_id, its entry or _ABSENT) for
         # an entry replaced or removed; (the list, its former length) for a list extended in place.
         replaced: list[tuple[str, Any]] = []
@@ -189,14 +213,15 @@ class BlockTracker:
                 replaced.append((req_id, blocks_of[req_id]))
                 blocks_of[req_id] = None
         continued = set()
-        dropped_last: list[str] = []
+        dropped_saves: dict[str, int] = {}
         for req, (req_id, blocks) in zip(so.scheduled_new_reqs, new_lists, strict=True):
             before = blocks_of.get(req_id, _ABSENT)
             if before is not _ABSENT and before is not None:
                 continued.add(req_id)
-            elif before is None and req_id in spans:  # (V2: a preempted request sent again as new)
-                if _dropped_in_flight(spans.pop(req_id), getattr(req, "prefill_token_ids", None)):
-                    dropped_last.append(req_id)
+            elif req_id in spans:  # (V2: a preempted request sent again as new)
+                in_flight = spans.pop(req_id)
+                if before is None and (n := _dropped_saves(in_flight, getattr(req, "prefill_token_ids", None))):
+                    dropped_saves[req_id] = n
             replaced.append((req_id, before))
             blocks_of[req_id] = [] if blocks is None else blocks
         for req_id, new_ids in cached_lists:
@@ -205,8 +230,8 @@ class BlockTracker:
                 blocks_of[req_id] = [] if new_ids is None else list(new_ids[0])
                 if req_id in spans:
                     tokens = (getattr(cached, "all_token_ids", None) or {}).get(req_id)
-                    if _dropped_in_flight(spans.pop(req_id), tokens):
-                        dropped_last.append(req_id)
+                    if n := _dropped_saves(spans.pop(req_id), tokens):
+                        dropped_saves[req_id] = n
             elif new_ids is not None and new_ids[0]:
                 listed: list[int] = blocks_of[req_id]  # type: ignore[assignment]
                 extended.append((listed, len(listed)))
@@ -222,12 +247,18 @@ class BlockTracker:
                     blocks_of.pop(req_id, None)
                 else:
                     blocks_of[req_id] = before
-            self.continued, self.dropped_last, self._previous = continued_before, dropped_before, previous_before
+            self.continued, self.dropped_saves = continued_before, dropped_before
+            if recent.maxlen:
+                recent.pop()
+                if dropped_out is not _ABSENT:
+                    recent.appendleft(dropped_out)
             if spans_before is not None:
                 spans.clear()
                 spans.update(spans_before)
 
-        self.continued, self.dropped_last, self._previous = continued, dropped_last, so if self._watches_drops else None
+        self.continued, self.dropped_saves = continued, dropped_saves
+        if recent.maxlen:
+            recent.append(so)
         return undo
 
     def blocks(self, req_id: str) -> list[int]:

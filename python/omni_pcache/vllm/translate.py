@@ -45,9 +45,9 @@ def step_events(scheduler_output: Any, tracker: BlockTracker) -> StepEvents:
         finished=sorted(so.finished_req_ids or ()),
         # Outputs vLLM dropped (drop_stale_output) after the cache counted their rows as delivered:
         # a streaming session's next chunk, rewound to the rows its consumer got (a no-op when
-        # nothing was dropped), and a request resumed after a reset dropped its step in flight.
+        # nothing was dropped), and a request resumed after a reset dropped its steps in flight.
         dropped={r.req_id: int(r.num_computed_tokens) for r in so.scheduled_new_reqs if r.req_id in tracker.continued},
-        dropped_last=tracker.dropped_last,
+        dropped_saves=tracker.dropped_saves,
     )
 
 
