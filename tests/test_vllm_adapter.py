@@ -1029,3 +1029,56 @@ def test_a_second_reset_does_not_count_the_steps_an_earlier_resume_settled() -> 
     assert t.dropped_saves == {"R": 1}
     t.update(so_of(preempted_req_ids={"R"}, new=[again], counts={"R": 5}))
     assert t.dropped_saves == {}
+
+
+@pytest.mark.parametrize(
+    ("awaited", "admitted", "running", "dropped"),
+    [
+        (True, True, False, {"R": 1}),  # a reset's output, R's chunk not taken yet: dropped
+        (False, True, False, {}),  # taken before the reset's output arrived: it may have arrived
+        (True, False, True, {}),  # a normal preemption (Q still running, nothing admitted): it arrives
+        (True, True, True, {}),  # (a running request scheduled: not a reset's output)
+        (True, False, False, {}),  # (nothing admitted: not known to be a reset's)
+    ],
+)
+def test_a_reset_drops_a_chunk_whose_output_was_not_taken(awaited, admitted, running, dropped) -> None:
+    # R's prompt is 20 tokens; its first chunk [0, 8) samples nothing, so the tokens cannot tell
+    # whether its output arrived. It is preempted with its step's output not yet taken
+    # (``awaited``) in an output that looks like a reset's or not; R resumes later.
+    t = BlockTracker(steps_in_flight=2)
+    t.update(so_of(new=[new_req("R", [1, 2]), new_req("Q", [3])], counts={"R": 8, "Q": 2}))
+    t.saved(t._recent[-1][0], 7)
+    new = [new_req("X", [4])] if admitted else []
+    still = cached([("Q", None, 2)]) if running else cached([])
+    t.update(
+        so_of(preempted_req_ids={"R"}, new=new, cached=still, counts={"X": 1} if admitted else {}),
+        lambda s: awaited and s == 7,
+    )
+    entries = cached([("R", [5, 6], 0)], resumed={"R"})
+    entries.all_token_ids["R"] = list(range(20))
+    t.update(so_of(cached=entries, counts={"R": 8}))
+    assert t.dropped_saves == dropped
+
+
+def test_a_mixin_returns_the_rows_of_a_chunk_dropped_before_its_output_was_taken() -> None:
+    # Async scheduling: R's first prompt chunk [0, 6) of 8 is in flight when a reset preempts it;
+    # the reset's output (admitting X) reaches the runner before the chunk's step is
+    # materialized, so that output was dropped: R's resume returns 0..8.
+    runner = Runner("scheduler", "inline")
+    assert runner.pcache_init(**stage_configs(T), is_last_pipeline_stage=True, tensor_parallel_rank=0)
+    seq = list(range(1, 10))
+    try:
+        s1 = so_of(new=[new_req("R", [1, 2])], counts={"R": 6})
+        runner.pcache_begin_step(s1)
+        late = runner.pcache_save(_rows(seq, 0, 6), {}, s1, ["R"])  # (taken a step late)
+        s2 = so_of(preempted_req_ids={"R"}, new=[new_req("X", [3])], counts={"X": 1})
+        runner.pcache_begin_step(s2)
+        assert runner._pcache_state.tracker._spans_in_flight == {"R": ([(0, 6, late)], 1)}
+        runner.pcache_discard(runner.pcache_save(torch.zeros(1, 2, dtype=torch.float64), {}, s2, ["X"]))
+        runner.pcache_discard(late)  # (dropped by the scheduler)
+        entries = cached([("R", [4, 5], 0)], resumed={"R"})
+        entries.all_token_ids["R"] = seq[:8]
+        out = _step(runner, so_of(cached=entries, counts={"R": 8}), _rows(seq, 0, 8))
+        assert torch.equal(out, _rows(seq, 0, 8)), "every row of R: the dropped chunk's too"
+    finally:
+        runner.pcache_shutdown()

@@ -234,11 +234,15 @@ def random_requests(rng: random.Random, block_size: int, num_blocks: int) -> lis
 @pytest.mark.parametrize("seed", range(40))
 def test_random_workloads(seed: int) -> None:
     """Seeded mixes of all of the above: pool size, block size, step budget, batch size, long
-    prefill threshold, async scheduling, runner kind, arrivals, aborts and duplicate prompts."""
+    prefill threshold, async scheduling, runner kind, arrivals, aborts, duplicate prompts, and
+    when each step's output is built."""
     rng = random.Random(seed)
     stage, block_size, num_blocks = random_stage(rng, [24, 32, 48, 96], async_share=0.5)
     reqs = random_requests(rng, block_size, num_blocks)
-    result = run(stage, reqs, order_seed=seed, output_thread=rng.random() < 0.3)
+    output_thread = rng.random() < 0.3
+    # (a third build each step's output as soon as its forward is done, as a worker's output
+    # thread may, instead of when the engine takes it)
+    result = run(stage, reqs, order_seed=seed, output_thread=output_thread, early_outputs=seed % 3 == 2)
     check_full_sequences(result)
 
 
@@ -247,8 +251,7 @@ def test_random_workloads_with_resets(seed: int) -> None:
     """The seeded mixes of test_random_workloads with up to three
     ``reset_prefix_cache(reset_running_requests=True)`` calls at random iterations: between
     steps, or after a pause that lets the steps in flight finish; a third of them with pipeline
-    parallelism (2 or 3 stages: up to 3 steps in flight). (A reset while a prefill chunk that
-    samples nothing is in flight pauses first: the known gap.)"""
+    parallelism (2 or 3 stages: up to 3 steps in flight)."""
     rng = random.Random(seed)
     pp = [1, 1, 1, 1, 2, 3][seed % 6]
     stage, block_size, num_blocks = random_stage(rng, [24, 32, 48, 96], async_share=0.7, pipeline_parallel_size=pp)
@@ -263,7 +266,6 @@ def test_random_workloads_with_resets(seed: int) -> None:
         output_thread=rng.random() < 0.3,
         reset_at=frozenset(resets - paused),
         pause_reset_at=frozenset(paused),
-        pause_at_gap=True,
     )
     check_full_sequences(result)
 
@@ -339,23 +341,26 @@ def test_reset_prefix_cache_with_running_requests(v2: bool, mode: str) -> None:
     "mode",
     [
         "async-paused",
+        "async",
         pytest.param(
-            "async",
+            "async-early",
             marks=pytest.mark.xfail(
                 strict=True,
-                reason="known gap (README): a prefill chunk that samples nothing, dropped in flight by a reset, "
-                "leaves the resumed request's tokens as they were, so the adapter cannot tell it was dropped",
+                reason="known gap (README): a prefill chunk that samples nothing, built before the reset's "
+                "SchedulerOutput reached the runner and dropped by it, looks delivered",
             ),
         ),
     ],
-    ids=["async-paused-first", "async-in-flight"],
+    ids=["async-paused-first", "async-in-flight", "async-in-flight-built-early"],
 )
 def test_reset_with_a_partial_prefill_chunk_in_flight(v2: bool, mode: str) -> None:
     """A reset while a long prompt's first chunk (one that samples nothing) is in flight. After
     ``pause_generation(mode="keep")`` the chunk's output is taken first and every row arrives. A
-    reset between steps drops it: its rows never reach the consumer, and nothing in the
-    SchedulerOutputs says so (the same tokens as a normal preemption's, whose output arrives),
-    so the adapter does not return them again: the known gap this test pins (strict xfail)."""
+    reset between steps drops it, leaving the tokens as a normal preemption would (whose output
+    arrives); but its step was not materialized when the reset's SchedulerOutput reached the
+    runner, so the scheduler cannot have had its output: its rows come again with the resume.
+    When the step's output was built before that (a worker's output thread can be that early),
+    nothing tells: the known gap, a strict xfail."""
     rng = random.Random(11)
     reqs = [Req(f"r{i}", tokens(rng, 6 + i), max_tokens=12, arrival=i) for i in range(3)]
     reqs.append(Req("long", tokens(rng, 90), max_tokens=4, arrival=5))
@@ -363,10 +368,10 @@ def test_reset_with_a_partial_prefill_chunk_in_flight(v2: bool, mode: str) -> No
     if mode == "async-paused":
         result = run(stage, reqs, pause_reset_at=frozenset({6}))
     else:
-        result = run(stage, reqs, reset_at=frozenset({6}))
+        result = run(stage, reqs, reset_at=frozenset({6}), early_outputs=mode == "async-early")
     c = result.counters
     assert c.resets == 1 and c.partial_prefills >= 3, c
-    if mode == "async":
+    if mode != "async-paused":
         assert c.in_flight_at_resets == 1 and c.dropped_chunks == 1, c
     else:
         assert c.in_flight_at_resets == 0 and c.dropped_outputs == 0, c

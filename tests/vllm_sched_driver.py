@@ -245,7 +245,6 @@ class Counters:
     dropped_chunks: int = 0  # ... of more than one position (a prefill chunk)
     resets: int = 0  # reset_prefix_cache(reset_running_requests=True) calls
     in_flight_at_resets: int = 0  # steps in flight at those calls (summed)
-    paused_for_gap: int = 0  # resets made after a pause, a prefill chunk that samples nothing being in flight
     reused_blocks: int = 0  # blocks written by a request other than the one that wrote them before
     max_in_flight: int = 0
     aborted: dict[str, tuple[RequestStatus, int, int]] = field(default_factory=dict)  # status, computed, prompt
@@ -359,11 +358,14 @@ class Runner(PrefixCacheRunnerMixin):
         )
 
     def consume(self, step_id: int | None, req_ids: list[str], dropped: frozenset[str] = frozenset()) -> None:
-        """The output builder: the step's full-sequence rows per request; the consumer never
-        gets those of ``dropped`` (outputs the scheduler drops)."""
-        if step_id is None:
+        """The output builder: the step's full-sequence rows per request (`deliver`)."""
+        self.deliver(self.pcache_materialize(step_id, req_ids), req_ids, dropped)
+
+    def deliver(self, out: Any, req_ids: list[str], dropped: frozenset[str]) -> None:
+        """A step's built outputs reach the consumer, but for ``dropped`` (outputs the
+        scheduler drops); ``out`` ``None``: the step ran no forward."""
+        if out is None:
             return
-        out = self.pcache_materialize(step_id, req_ids)
         for req_id in req_ids:
             if req_id not in dropped:
                 self.received.setdefault(req_id, []).append((out.hidden[req_id], out.mm["codes"][req_id]))
@@ -371,24 +373,31 @@ class Runner(PrefixCacheRunnerMixin):
     def start_output_thread(self) -> None:
         """Consumes the step ids handed to `hand_off` on a thread of their own, in order (an
         async output thread)."""
-        self._inbox: queue.Queue[tuple[int | None, list[str], frozenset[str]] | None] = queue.Queue()
+        self._inbox: queue.Queue[tuple[int | None, list[str], frozenset[str], threading.Event] | None] = queue.Queue()
         self._errors: list[BaseException] = []
         self._thread = threading.Thread(target=self._output_worker, name="output-builder", daemon=True)
         self._thread.start()
 
     def _output_worker(self) -> None:
         while (item := self._inbox.get()) is not None:
+            *args, done = item
             try:
-                self.consume(*item)
+                self.consume(*args)
             except BaseException as exc:  # (raised by stop_output_thread)
                 self._errors.append(exc)
                 return
+            finally:
+                done.set()
 
     def hand_off(self, step_id: int | None, req_ids: list[str], dropped: frozenset[str]) -> None:
+        """Builds the step's output (materializes it) inline or on the output thread; returns
+        once it is built, as vLLM's engine waits for the output it then processes."""
         if getattr(self, "_thread", None) is None:
             self.consume(step_id, req_ids, dropped)
         else:
-            self._inbox.put((step_id, req_ids, dropped))
+            done = threading.Event()
+            self._inbox.put((step_id, req_ids, dropped, done))
+            assert done.wait(60), "the output thread did not build the step's output"
 
     def stop_output_thread(self) -> None:
         if getattr(self, "_thread", None) is not None:
@@ -506,7 +515,7 @@ def run(
     max_iters: int = 5000,
     reset_at: frozenset[int] = frozenset(),
     pause_reset_at: frozenset[int] = frozenset(),
-    pause_at_gap: bool = False,
+    early_outputs: bool = False,
 ) -> Result:
     """Runs the requests to completion through vLLM's scheduler and the runner; each step's rows
     are materialized where vLLM's output builder would: inline, or one step late under async
@@ -515,9 +524,9 @@ def run(
     ``reset_at`` the engine resets the prefix cache with ``reset_running_requests=True``
     (between steps: under async scheduling while steps are in flight); at each iteration in
     ``pause_reset_at`` it does so as ``pause_generation(mode="keep", clear_cache=True)`` does:
-    once the steps in flight are done and their outputs taken; ``pause_at_gap`` does that for a
-    ``reset_at`` reset too while a prefill chunk that samples nothing is in flight (the known
-    gap)."""
+    once the steps in flight are done and their outputs taken. With ``early_outputs`` each
+    step's output is built (materialized) as soon as its forward is done, as a worker's output
+    thread may, not when the engine takes it."""
     sched = stage.scheduler
     seqs = {r.req_id: Tokens(list(r.prompt)) for r in reqs}
     runner = Runner(stage, seqs, order_seed)
@@ -527,11 +536,11 @@ def run(
     requests: dict[str, Request] = {}
     arrivals = sorted(reqs, key=lambda r: r.arrival)
     queue_size = stage.queue_size  # (async: 2; pipeline: its depth, +1 with async and the V2 runner)
-    batch_queue: deque[tuple[SchedulerOutput, int, int | None, list[str], ModelRunnerOutput]] = deque()
+    batch_queue: deque[tuple[SchedulerOutput, int, int | None, list[str], ModelRunnerOutput, Any]] = deque()
 
     def process_oldest() -> None:
         """Takes the oldest step in flight's output for ``update_from_output``, consuming its rows."""
-        so, step_no, step_id, req_ids, out = batch_queue.pop()
+        so, step_no, step_id, req_ids, out, built = batch_queue.pop()
         # Outputs that update_from_output discards, so their consumer never gets them: the
         # stale output of a step in flight when a streaming session's turn ended or the
         # prefix cache was reset with its running requests (drop_stale_output), and any
@@ -546,7 +555,10 @@ def run(
         c.dropped_outputs += len(dropped)
         c.dropped_chunks += sum(so.num_scheduled_tokens[r] > 1 for r in dropped)
         runner.dropped |= {(step_no, r) for r in dropped}
-        runner.hand_off(step_id, req_ids, dropped)
+        if early_outputs:
+            runner.deliver(built, req_ids, dropped)
+        else:
+            runner.hand_off(step_id, req_ids, dropped)
         sched.update_from_output(so, out)
 
     try:
@@ -591,11 +603,7 @@ def run(
                 c.aborted_in_flight += len(in_flight.intersection(aborts))
                 sched.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)
             if it in reset_at or it in pause_reset_at:
-                # (a prefill chunk that samples nothing, in flight: the known gap, see
-                # test_reset_with_a_partial_prefill_chunk_in_flight)
-                gap = any(not sampled for *_, out in batch_queue for sampled in out.sampled_token_ids)
-                c.paused_for_gap += pause_at_gap and gap and it in reset_at
-                if it in pause_reset_at or (pause_at_gap and gap):  # (pause_generation("keep"): idle first)
+                if it in pause_reset_at:  # (pause_generation("keep"): idle first)
                     while batch_queue:
                         process_oldest()
                 c.resets += 1
@@ -609,7 +617,8 @@ def run(
                 so = sched.schedule()
                 c.stale_preemptions += sum(requests[r].num_stale_output_tokens > 0 for r in so.preempted_req_ids or ())
                 step_id, req_ids, out = runner.execute_model(so)
-                batch_queue.appendleft((so, c.steps, step_id, req_ids, out))
+                built = runner.pcache_materialize(step_id, req_ids) if early_outputs else None
+                batch_queue.appendleft((so, c.steps, step_id, req_ids, out, built))
                 c.max_in_flight = max(c.max_in_flight, len(batch_queue))
                 if len(batch_queue) < queue_size and (so.total_num_scheduled_tokens > 0 or sched.has_requests()):
                     continue

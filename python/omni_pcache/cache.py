@@ -517,6 +517,12 @@ class PrefixCache:
         self._check_usable()
         self._steps.finish(self._steps.take(step_id, None))
 
+    def awaited(self, step_id: int) -> bool:
+        """Whether step ``step_id`` is saved and neither `materialize` nor `discard` has taken it
+        yet (any thread; a snapshot, no lock: one dict lookup). The vLLM adapter reads it to
+        tell an output still in flight at a reset from one the scheduler already has."""
+        return step_id in self._steps.records
+
     # ---- stats -------------------------------------------------------------------------
 
     def stats(self) -> CacheStats:

@@ -156,7 +156,7 @@ class PrefixCacheRunnerMixin:
             state.cache = make(state.config, state.policy)
         if not state.output_rank:
             return
-        undo = state.tracker.update(scheduler_output)
+        undo = state.tracker.update(scheduler_output, state.cache.awaited)
         try:
             state.cache.begin_step(step_events(scheduler_output, state.tracker))
         except BaseException:  # (a refused step leaves the tracker as it was, as it leaves the cache)
@@ -191,7 +191,9 @@ class PrefixCacheRunnerMixin:
         if not state.output_rank:
             return state.cache.save(hidden, mm, None)  # type: ignore[arg-type]
         batch = step_batch(scheduler_output, state.tracker, req_ids, state.config.block_size, num_tokens_padded)
-        return state.cache.save(hidden, mm, batch)
+        step_id = state.cache.save(hidden, mm, batch)
+        state.tracker.saved(scheduler_output, step_id)  # (whether its output is awaited at a reset)
+        return step_id
 
     def pcache_materialize(self, step_id: int | None, req_ids: Sequence[str]) -> StepOutputs | None:
         """Per-request full-sequence outputs of a saved step (any thread); ``None`` for ``None``.

@@ -57,6 +57,10 @@ class NoOpCache:
     def discard(self, step_id: int) -> None:
         pass
 
+    def awaited(self, step_id: int) -> bool:
+        """Always False: no step is ever outstanding here."""
+        return False
+
     def flush(self, timeout_s: float | None = None) -> None:
         pass
 

@@ -19,15 +19,24 @@ Outputs vLLM drops (`dropped_saves`): ``reset_prefix_cache(reset_running_request
 preempts every running request with ``drop_stale_output``, so the outputs of the steps still in
 flight (async scheduling, pipeline parallelism) never reach the consumer, though the cache
 counted their rows as delivered. Only the last ``steps_in_flight - 1`` SchedulerOutputs before
-the preemption can be in flight, so the tracker keeps them and, at a preemption, the request's
-spans in them. At the resume the request's tokens (``all_token_ids`` for the V1 runner,
-``prefill_token_ids`` for V2) tell: outputs arrive in order and one that reached the consumer
-ended its span with a sampled token, so the spans ending at or past the token count are the
-dropped ones, its latest saves; their count is the request's ``dropped_saves`` entry (the
-cache's ``StepEvents.dropped_saves``: what those steps returned is delivered again). A normal
+the preemption can be in flight, so the tracker keeps them, with the ids of the steps saved for
+them (`saved`), and, at a preemption, the request's spans in them since it last (re)entered.
+Two facts tell which outputs were dropped, outputs being processed in order:
+
+- at the preemption, when it is a reset's (the output schedules no running request and admits
+  waiting ones, which vLLM never does with a normal preemption), every output from the first
+  one not yet taken by
+  ``materialize`` or ``discard`` (``awaited``) on: the scheduler cannot have processed an
+  output that was not built;
+- at the resume, the request's tokens (``all_token_ids`` for the V1 runner,
+  ``prefill_token_ids`` for V2): an output that reached the consumer ended its span with a
+  sampled token, so the spans ending at or past the token count were dropped.
+
+The larger count is the request's ``dropped_saves`` entry (the cache's
+``StepEvents.dropped_saves``: what those steps returned is delivered again). A normal
 preemption's outputs in flight are delivered, and vLLM holds its resume until they are
-processed, so their tokens are there. Not seen: a dropped prefill chunk that samples nothing
-(the tokens are the prompt's either way), with the prefix-hit rows its step returned.
+processed, so their tokens are there. Not seen: a prefill chunk that samples nothing whose
+output was built before the reset's output reached the runner but dropped all the same.
 
 A ``SchedulerOutput`` carrying ``kv_cache_block_copies`` is refused with `ConfigError` (the
 scheduler copies a block's KV for a sub-block hit; the cache does not mirror those copies), and
@@ -94,29 +103,42 @@ def _span_in(scheduler_output: Any, req_id: str) -> tuple[int, int, bool] | None
     return int(start), int(start) + int(count), enters
 
 
-def _spans_since_entry(recent: deque[Any], req_id: str) -> list[tuple[int, int]]:
-    """``req_id``'s spans in the ``recent`` SchedulerOutputs (oldest first) since it last
-    (re)entered: those of its saves that may still be in flight (an earlier one, before a
-    preemption, belongs to what an earlier resume already settled)."""
+def _spans_since_entry(recent: deque[list[Any]], req_id: str) -> list[tuple[int, int, int | None]]:
+    """``req_id``'s spans in the ``recent`` ``[SchedulerOutput, step id]`` entries (oldest first)
+    since it last (re)entered, with their steps' ids: those of its saves that may still be in
+    flight (an earlier one, before a preemption, belongs to what an earlier resume settled)."""
     spans = []
-    for past in reversed(recent):
+    for past, step_id in reversed(recent):
         found = _span_in(past, req_id)
         if found is not None:
-            spans.append(found[:2])
+            spans.append((found[0], found[1], step_id))
             if found[2]:
                 break
     spans.reverse()
     return spans
 
 
-def _dropped_saves(spans: list[tuple[int, int]], tokens: Sequence[int] | None) -> int:
-    """How many of a resumed request's ``spans`` possibly in flight at its preemption (oldest
-    first) had their outputs dropped: those ending at or past its ``tokens`` at the resume (a
-    delivered output's sampled token would be among them), its latest. ``tokens`` ``None``:
-    not known, so none."""
-    if tokens is None:
+def _certainly_dropped(spans: list[tuple[int, int, int | None]], awaited: Callable[[int], bool] | None) -> int:
+    """How many of a request's latest ``spans`` preempted by a reset were certainly dropped:
+    from the first whose step's output was not taken yet (``awaited``) on, as outputs are
+    taken in order (the scheduler cannot have processed an output that was not built)."""
+    if awaited is None:
         return 0
-    return sum(1 for _, end in spans if end >= len(tokens))
+    for i, (_, _, step_id) in enumerate(spans):
+        if step_id is not None and awaited(step_id):
+            return len(spans) - i
+    return 0
+
+
+def _dropped_saves(in_flight: tuple[list[tuple[int, int, int | None]], int], tokens: Sequence[int] | None) -> int:
+    """How many of a resumed request's spans possibly in flight at its preemption (oldest
+    first, with how many of the latest were certainly dropped) had their outputs dropped: those
+    too, and those ending at or past its ``tokens`` at the resume (a delivered output's sampled
+    token would be among them), its latest. ``tokens`` ``None``: not known."""
+    spans, certain = in_flight
+    if tokens is None:
+        return certain
+    return max(certain, sum(1 for _, end, _ in spans if end >= len(tokens)))
 
 
 class BlockTracker:
@@ -133,17 +155,27 @@ class BlockTracker:
         # The last update's resumed requests whose latest steps' outputs, in flight, vLLM
         # dropped: how many.
         self.dropped_saves: dict[str, int] = {}
-        # The SchedulerOutputs that may be in flight at the next update, oldest first.
-        self._recent: deque[Any] = deque(maxlen=max(0, steps_in_flight - 1))
-        # Preempted requests' spans (start, end) in the SchedulerOutputs that may have been in
-        # flight at their preemption, oldest first.
-        self._spans_in_flight: dict[str, list[tuple[int, int]]] = {}
+        # The SchedulerOutputs that may be in flight at the next update, oldest first, each with
+        # the id of the step saved for it (`saved`; None: none yet).
+        self._recent: deque[list[Any]] = deque(maxlen=max(0, steps_in_flight - 1))
+        # Preempted requests' spans (start, end, step id) in the SchedulerOutputs that may have
+        # been in flight at their preemption, oldest first, and how many of the latest were
+        # certainly dropped.
+        self._spans_in_flight: dict[str, tuple[list[tuple[int, int, int | None]], int]] = {}
 
-    def update(self, scheduler_output: Any) -> Callable[[], None]:
-        """Applies one SchedulerOutput (see the module doc for the rules). Returns a function
-        that undoes it, valid until the next `update` (what each request had before: the
-        replaced or forgotten lists themselves, and each extended list's former length; and
-        `continued` as it was)."""
+    def saved(self, scheduler_output: Any, step_id: int | None) -> None:
+        """Notes the id of the step saved for the last SchedulerOutput applied (the mixin's
+        ``pcache_save``), for `update`'s ``awaited``."""
+        if self._recent and self._recent[-1][0] is scheduler_output:
+            self._recent[-1][1] = step_id
+
+    def update(self, scheduler_output: Any, awaited: Callable[[int], bool] | None = None) -> Callable[[], None]:
+        """Applies one SchedulerOutput (see the module doc for the rules). ``awaited(step_id)``:
+        whether a saved step's output has not been taken yet (the cache's `PrefixCache.awaited`);
+        a reset's preemption then certainly dropped it. Returns a function that undoes the
+        update, valid until the next one (what each request had before: the replaced or
+        forgotten lists themselves, and each extended list's former length; and `continued`
+        as it was)."""
         so = scheduler_output
         if getattr(so, "kv_cache_block_copies", None):
             copies = list(so.kv_cache_block_copies)
@@ -197,10 +229,13 @@ class BlockTracker:
         if spans_before is not None:  # (only around preemptions: a plain step does nothing here)
             for req_id in finished:
                 spans.pop(req_id, None)
+            # (a reset's: it preempted every running request, so none is scheduled as running,
+            # and waiting ones are admitted, which vLLM never does with a normal preemption)
+            reset = bool(so.scheduled_new_reqs or resumed) and resumed.issuperset(cached.req_ids)
             for req_id in preempted - finished:
                 in_flight = _spans_since_entry(recent, req_id)
                 if in_flight:
-                    spans[req_id] = in_flight
+                    spans[req_id] = (in_flight, _certainly_dropped(in_flight, awaited) if reset else 0)
         # What each changed request had before, oldest first: (req_id, its entry or _ABSENT) for
         # an entry replaced or removed; (the list, its former length) for a list extended in place.
         replaced: list[tuple[str, Any]] = []
@@ -258,7 +293,7 @@ class BlockTracker:
 
         self.continued, self.dropped_saves = continued, dropped_saves
         if recent.maxlen:
-            recent.append(so)
+            recent.append([so, None])
         return undo
 
     def blocks(self, req_id: str) -> list[int]:
