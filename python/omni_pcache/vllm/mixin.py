@@ -17,7 +17,8 @@ A runner class lists the mixin as a base and calls (see the README, "Using it in
    SchedulerOutputs (the V2 runner's).
 5. ``pcache_materialize(step_id, req_ids)`` in the output builder (any thread, possibly a step
    late) → `StepOutputs`, or ``pcache_discard(step_id)`` when nothing downstream needs them.
-   Each step id must be consumed exactly once.
+   Each step id must be consumed exactly once, before its output can reach the scheduler
+   (a step not yet consumed at a reset is read as an output the scheduler has not had).
 6. ``pcache_shutdown()`` before CUDA teardown (idempotent).
 
 On a stage without a cache (prefix caching off, pooling) every hook is a no-op, ``pcache_save``
