@@ -136,6 +136,11 @@ def test_gate_sizes_the_cache_from_vllm() -> None:
     tuned = cache_config_from_vllm(**configs(), staging_depth=6, threaded=False)
     assert tuned.staging_depth == 6 and not tuned.threaded
     assert cache_config_from_vllm(**configs(), staging_capacity_tokens=2048).staging_capacity_tokens == 2048
+    # Every step vLLM runs ahead holds a page until its output is built: a deep batch queue
+    # (four pipeline stages and async scheduling: five steps) gets one more page than that.
+    deep = configs(parallel_config=v.ParallelConfig(pipeline_parallel_size=4))
+    assert cache_config_from_vllm(**deep).staging_depth == 6
+    assert cache_config_from_vllm(**deep, staging_depth=3).staging_depth == 3  # (as asked)
 
 
 @pytest.mark.parametrize(
@@ -1082,3 +1087,25 @@ def test_a_mixin_returns_the_rows_of_a_chunk_dropped_before_its_output_was_taken
         assert torch.equal(out, _rows(seq, 0, 8)), "every row of R: the dropped chunk's too"
     finally:
         runner.pcache_shutdown()
+
+
+@pytest.mark.parametrize("still_out", [True, False], ids=["reset-output-outstanding", "reset-output-taken"])
+def test_a_normal_preemption_drops_while_a_resets_output_is_outstanding(still_out: bool) -> None:
+    # Four steps in flight. A reset preempts R with its chunk [0, 8) (step 7) in flight; R
+    # resumes at once and computes the chunk [0, 6) again (step 8); then too few blocks preempt
+    # it (Q still running). While step 7 is outstanding, vLLM keeps R in drop mode, so step 8's
+    # output (not taken either) is dropped too; once step 7 is taken, the preemption is normal.
+    t = BlockTracker(steps_in_flight=4)
+    outstanding = {7, 8} if still_out else {8}
+    t.update(so_of(new=[new_req("R", [1, 2]), new_req("Q", [3])], counts={"R": 8, "Q": 2}))
+    t.saved(t._recent[-1][0], 7)
+    back = dataclasses.replace(new_req("R", [4, 5]), prefill_token_ids=list(range(20)))
+    t.update(so_of(preempted_req_ids={"R", "Q"}, new=[back], counts={"R": 6}), outstanding.__contains__)
+    assert t.dropped_saves == ({"R": 1} if still_out else {})
+    t.saved(t._recent[-1][0], 8)
+    t.update(so_of(new=[new_req("Q", [3])], counts={"Q": 2}), outstanding.__contains__)
+    t.update(so_of(preempted_req_ids={"R"}, cached=cached([("Q", None, 2)]), counts={"Q": 1}), outstanding.__contains__)
+    entries = cached([("R", [6, 7], 0)], resumed={"R"})
+    entries.all_token_ids["R"] = list(range(20))
+    t.update(so_of(cached=entries, counts={"R": 8}))
+    assert t.dropped_saves == ({"R": 1} if still_out else {})

@@ -236,6 +236,7 @@ class Counters:
     first_computed: dict[str, int] = field(default_factory=dict)  # req_id -> its prefix-hit length
     preemptions: int = 0
     stale_preemptions: int = 0  # async: preempted while a step computing it was in flight
+    drop_mode_preemptions: int = 0  # ... by KV pressure while a reset's outputs in flight were not all processed
     resumed_v1: int = 0  # resumed through resumed_req_ids
     resumed_v2: int = 0  # resumed by being sent again as new
     resumed_with_hit: int = 0
@@ -515,7 +516,7 @@ def run(
     max_iters: int = 5000,
     reset_at: frozenset[int] = frozenset(),
     pause_reset_at: frozenset[int] = frozenset(),
-    early_outputs: bool = False,
+    early_outputs: bool | None = None,
 ) -> Result:
     """Runs the requests to completion through vLLM's scheduler and the runner; each step's rows
     are materialized where vLLM's output builder would: inline, or one step late under async
@@ -526,7 +527,9 @@ def run(
     ``pause_reset_at`` it does so as ``pause_generation(mode="keep", clear_cache=True)`` does:
     once the steps in flight are done and their outputs taken. With ``early_outputs`` each
     step's output is built (materialized) as soon as its forward is done, as a worker's output
-    thread may, not when the engine takes it."""
+    thread may, not when the engine takes it; by default so without async scheduling (the
+    runner builds it in ``sample_tokens``, the engine taking it then or, with pipeline
+    parallelism, steps later), and late with it (the engine thread builds it as it takes it)."""
     sched = stage.scheduler
     seqs = {r.req_id: Tokens(list(r.prompt)) for r in reqs}
     runner = Runner(stage, seqs, order_seed)
@@ -536,6 +539,8 @@ def run(
     requests: dict[str, Request] = {}
     arrivals = sorted(reqs, key=lambda r: r.arrival)
     queue_size = stage.queue_size  # (async: 2; pipeline: its depth, +1 with async and the V2 runner)
+    if early_outputs is None:
+        early_outputs = not stage.vllm_config.scheduler_config.async_scheduling
     batch_queue: deque[tuple[SchedulerOutput, int, int | None, list[str], ModelRunnerOutput, Any]] = deque()
 
     def process_oldest() -> None:
@@ -616,6 +621,11 @@ def run(
             if sched.has_requests():
                 so = sched.schedule()
                 c.stale_preemptions += sum(requests[r].num_stale_output_tokens > 0 for r in so.preempted_req_ids or ())
+                if it not in reset_at and it not in pause_reset_at:  # (a normal preemption still in drop mode)
+                    c.drop_mode_preemptions += sum(
+                        requests[r].drop_stale_output and requests[r].num_stale_output_tokens > 0
+                        for r in so.preempted_req_ids or ()
+                    )
                 step_id, req_ids, out = runner.execute_model(so)
                 built = runner.pcache_materialize(step_id, req_ids) if early_outputs else None
                 batch_queue.appendleft((so, c.steps, step_id, req_ids, out, built))

@@ -10,7 +10,8 @@ never imports vLLM. Contract:
   return wrong rows; the reason for each refusal is in `REFUSALS`.
 - Otherwise a `CacheConfig` sized like the engine's KV cache: ``num_blocks`` and the
   full-attention group's ``block_size``, ``staging_capacity_tokens`` =
-  ``scheduler_config.max_num_batched_tokens`` (the most tokens one step can save).
+  ``scheduler_config.max_num_batched_tokens`` (the most tokens one step can save), and a
+  ``staging_depth`` of at least one more than the steps vLLM runs ahead (`steps_in_flight`).
 """
 
 from __future__ import annotations
@@ -280,6 +281,12 @@ def cache_config_from_vllm(
             f"staging_capacity_tokens={staging!r} must hold a whole step: at least "
             f"scheduler_config.max_num_batched_tokens={int(max_tokens)}"
         )
+    # (every step vLLM runs ahead holds a staging page until its output is built: with a deep
+    # batch queue the default depth would make a save wait for one)
+    default_depth = next(f.default for f in dataclasses.fields(CacheConfig) if f.name == "staging_depth")
+    cache_options.setdefault(
+        "staging_depth", max(default_depth, steps_in_flight(scheduler_config, parallel_config) + 1)
+    )
     return CacheConfig(
         num_blocks=int(kv_cache_config.num_blocks),
         block_size=block_size,

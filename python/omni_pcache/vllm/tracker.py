@@ -25,18 +25,21 @@ Two facts tell which outputs were dropped, outputs being processed in order:
 
 - at the preemption, when it is a reset's (the output schedules no running request and admits
   waiting ones, which vLLM never does with a normal preemption), every output from the first
-  one not yet taken by
-  ``materialize`` or ``discard`` (``awaited``) on: the scheduler cannot have processed an
-  output that was not built;
+  one not yet taken by ``materialize`` or ``discard`` (``awaited``) on: the scheduler cannot
+  have processed an output that was not built. Likewise at a normal preemption while a step
+  that was in flight at the request's reset is still outstanding: vLLM keeps the request in
+  drop mode until those outputs are processed;
 - at the resume, the request's tokens (``all_token_ids`` for the V1 runner,
   ``prefill_token_ids`` for V2): an output that reached the consumer ended its span with a
   sampled token, so the spans ending at or past the token count were dropped.
 
 The larger count is the request's ``dropped_saves`` entry (the cache's
 ``StepEvents.dropped_saves``: what those steps returned is delivered again). A normal
-preemption's outputs in flight are delivered, and vLLM holds its resume until they are
-processed, so their tokens are there. Not seen: a prefill chunk that samples nothing whose
-output was built before the reset's output reached the runner but dropped all the same.
+preemption's outputs in flight (out of drop mode) are delivered, and vLLM holds its resume
+until they are processed, so their tokens are there. Not seen: a dropped prefill chunk that
+samples nothing whose output was built before the preempting output reached the runner
+(always so with sync scheduling and pipeline parallelism, whose last stage builds each output
+at once), or dropped by a reset whose output admits no waiting request.
 
 A ``SchedulerOutput`` carrying ``kv_cache_block_copies`` is refused with `ConfigError` (the
 scheduler copies a block's KV for a sub-block hit; the cache does not mirror those copies), and
@@ -162,6 +165,9 @@ class BlockTracker:
         # been in flight at their preemption, oldest first, and how many of the latest were
         # certainly dropped.
         self._spans_in_flight: dict[str, tuple[list[tuple[int, int, int | None]], int]] = {}
+        # Requests a reset preempted: the ids of their steps still outstanding since, whose
+        # outputs vLLM drops (while one is outstanding, a later preemption drops too).
+        self._stale_steps: dict[str, list[int]] = {}
 
     def saved(self, scheduler_output: Any, step_id: int | None) -> None:
         """Notes the id of the step saved for the last SchedulerOutput applied (the mixin's
@@ -224,18 +230,26 @@ class BlockTracker:
         recent = self._recent
         # (the output this update pushes out of `recent`, put back by the undo)
         dropped_out = recent[0] if recent.maxlen and len(recent) == recent.maxlen else _ABSENT
-        spans = self._spans_in_flight
-        spans_before = dict(spans) if spans or (preempted and recent) else None
+        spans, stale = self._spans_in_flight, self._stale_steps
+        spans_before = dict(spans) if spans or stale or (preempted and recent) else None
+        stale_before = dict(stale) if spans_before is not None else None
         if spans_before is not None:  # (only around preemptions: a plain step does nothing here)
             for req_id in finished:
                 spans.pop(req_id, None)
+                stale.pop(req_id, None)
             # (a reset's: it preempted every running request, so none is scheduled as running,
             # and waiting ones are admitted, which vLLM never does with a normal preemption)
             reset = bool(so.scheduled_new_reqs or resumed) and resumed.issuperset(cached.req_ids)
             for req_id in preempted - finished:
                 in_flight = _spans_since_entry(recent, req_id)
+                # vLLM keeps a request in drop mode while the outputs a reset left in flight are
+                # not all processed (_preempt_request): a normal preemption then drops too.
+                drops = reset or (awaited is not None and any(map(awaited, stale.get(req_id, ()))))
+                if drops and awaited is not None:  # (the steps still outstanding: in flight)
+                    ids = [*stale.get(req_id, ()), *(step_id for *_, step_id in in_flight if step_id is not None)]
+                    stale[req_id] = [step_id for step_id in ids if awaited(step_id)]
                 if in_flight:
-                    spans[req_id] = (in_flight, _certainly_dropped(in_flight, awaited) if reset else 0)
+                    spans[req_id] = (in_flight, _certainly_dropped(in_flight, awaited) if drops else 0)
         # What each changed request had before, oldest first: (req_id, its entry or _ABSENT) for
         # an entry replaced or removed; (the list, its former length) for a list extended in place.
         replaced: list[tuple[str, Any]] = []
@@ -287,9 +301,11 @@ class BlockTracker:
                 recent.pop()
                 if dropped_out is not _ABSENT:
                     recent.appendleft(dropped_out)
-            if spans_before is not None:
+            if spans_before is not None and stale_before is not None:
                 spans.clear()
                 spans.update(spans_before)
+                stale.clear()
+                stale.update(stale_before)
 
         self.continued, self.dropped_saves = continued, dropped_saves
         if recent.maxlen:
