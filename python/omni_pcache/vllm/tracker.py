@@ -231,9 +231,12 @@ class BlockTracker:
         # (the output this update pushes out of `recent`, put back by the undo)
         dropped_out = recent[0] if recent.maxlen and len(recent) == recent.maxlen else _ABSENT
         spans, stale = self._spans_in_flight, self._stale_steps
-        spans_before = dict(spans) if spans or stale or (preempted and recent) else None
-        stale_before = dict(stale) if spans_before is not None else None
-        if spans_before is not None:  # (only around preemptions: a plain step does nothing here)
+        # (only preemptions, and finishes and entries of requests they noted, change these: a
+        # plain step copies nothing)
+        touched = (preempted and recent) or ((spans or stale) and (finished or resumed or so.scheduled_new_reqs))
+        spans_before = dict(spans) if touched else None
+        stale_before = dict(stale) if touched else None
+        if spans_before is not None:
             for req_id in finished:
                 spans.pop(req_id, None)
                 stale.pop(req_id, None)
@@ -247,7 +250,10 @@ class BlockTracker:
                 drops = reset or (awaited is not None and any(map(awaited, stale.get(req_id, ()))))
                 if drops and awaited is not None:  # (the steps still outstanding: in flight)
                     ids = [*stale.get(req_id, ()), *(step_id for *_, step_id in in_flight if step_id is not None)]
-                    stale[req_id] = [step_id for step_id in ids if awaited(step_id)]
+                    if outstanding := [step_id for step_id in ids if awaited(step_id)]:
+                        stale[req_id] = outstanding
+                    else:
+                        stale.pop(req_id, None)
                 if in_flight:
                     spans[req_id] = (in_flight, _certainly_dropped(in_flight, awaited) if drops else 0)
         # What each changed request had before, oldest first: (req_id, its entry or _ABSENT) for
