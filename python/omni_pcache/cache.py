@@ -57,7 +57,7 @@ from omni_pcache.row_arrays import own_copies
 from omni_pcache.snapshot import snapshot
 from omni_pcache.stats import CacheStats, Counters
 from omni_pcache.steps import StepPages
-from omni_pcache.validation import as_list, as_position_map, check_batch, check_timeout
+from omni_pcache.validation import as_id_map, as_list, check_batch, check_timeout
 from omni_pcache.write_records import WriteRecords
 from omni_pcache.writes import PoolWriter
 
@@ -243,8 +243,8 @@ class PrefixCache:
         finished = as_list(events.finished, "StepEvents.finished")
         new = as_list(events.new, "StepEvents.new")
         resumed = as_list(events.resumed, "StepEvents.resumed")
-        dropped = as_position_map(events.dropped, "StepEvents.dropped")
-        dropped_saves = as_position_map(events.dropped_saves, "StepEvents.dropped_saves", "numbers of saves")
+        dropped = as_id_map(events.dropped, "StepEvents.dropped")
+        dropped_saves = as_id_map(events.dropped_saves, "StepEvents.dropped_saves", "numbers of saves")
         hits, misses, reentered = self._delivery.begin(
             finished, new, resumed, NewRequest, ResumedRequest, self._config.num_blocks, dropped, dropped_saves
         )

@@ -45,9 +45,9 @@ def as_list(value: object, what: str) -> list:
         raise InvalidInputError(f"{what} must be a sequence, got {type(value).__name__}") from None
 
 
-def as_position_map(value: object, what: str, values: str = "positions") -> dict:
-    """``value`` (request id -> position, or the ``values`` named) as a dict: a dict as it is,
-    any other mapping (or iterable of pairs) copied into one; anything else raises
+def as_id_map(value: object, what: str, values: str = "positions") -> dict:
+    """``value`` (request id -> an int: a position, or the ``values`` named) as a dict: a dict
+    as it is, any other mapping (or iterable of pairs) copied into one; anything else raises
     `InvalidInputError` naming ``what``. The ids and values themselves are checked natively
     (`Deliveries.begin`)."""
     if type(value) is dict:
