@@ -86,6 +86,16 @@ class DeviceBudget:
             self.used -= nbytes
             self._cond.notify_all()
 
+    def drop_holder(self, clone: Clone) -> None:
+        """One of ``clone``'s holders is done (any thread); the last one uncharges its bytes.
+        The count is changed under this budget's lock, so two threads releasing holders of one
+        clone (the committer after a write, another thread at a failure) cannot lose an update."""
+        with self._cond:
+            clone.holders -= 1
+            if clone.holders == 0:
+                self.used -= clone.nbytes
+                self._cond.notify_all()
+
     def wait_for_room(self, nbytes: int, deadline: float) -> bool:
         """Waits until ``nbytes`` more fit (any thread but the committer). False on timeout;
         `CacheClosedError` once the cache closes."""
@@ -145,10 +155,8 @@ class Clone:
         return self.tensor.numel() * self.tensor.element_size()
 
     def release(self) -> None:
-        """One holder is done; the last one uncharges the budget."""
-        self.holders -= 1
-        if self.holders == 0:
-            self.budget.uncharge(self.nbytes)
+        """One holder is done (any thread); the last one uncharges the budget."""
+        self.budget.drop_holder(self)
 
 
 @dataclass(slots=True, eq=False)
