@@ -145,6 +145,9 @@ def test_materialize_refuses_a_bare_str_unhashable_and_duplicate_ids_and_consume
         # A one-element numpy array of the id compares equal to it, but is no id (unhashable).
         with pytest.raises(InvalidInputError, match=r"req_ids holds request ids \(str\), got array\(\['a'\]"):
             cache.materialize(sid, list(np.array([["a"]])))
+        # A tuple has a hash method, but not one holding a list.
+        with pytest.raises(InvalidInputError, match=r"req_ids holds request ids \(str\), got \('a', \['x'\]\)"):
+            cache.materialize(sid, [("a", ["x"])])
         with pytest.raises(InvalidInputError, match=r"req_ids has duplicates: \['a'\]; nothing was consumed"):
             cache.materialize(sid, ["a", "b", "a"])
         assert cache.stats().steps_outstanding == [sid]  # no refusal consumed the id
@@ -340,6 +343,46 @@ def test_step_ids_that_are_not_ints_are_refused_and_consume_nothing(step_id) -> 
         assert cache.stats().steps_outstanding == sids
         for sid in sids:
             cache.discard(sid)
+
+
+def test_an_id_whose_save_has_not_returned_is_refused_and_its_step_stays_whole() -> None:
+    # Another thread may name an id save has issued but not returned (ids are sequential, and
+    # stats lists it): refused, not consumed, so that save's step is consumed normally after.
+    # (A leftover's __deepcopy__, which save calls after issuing the id, stands in for the thread.)
+    with small_cache() as cache:
+        refusals: list[BaseException] = []
+
+        class Probe:
+            def __deepcopy__(self, memo):
+                (issued,) = cache.stats().steps_outstanding
+                for call in (lambda: cache.discard(issued), lambda: cache.materialize(issued, ["a"])):
+                    try:
+                        call()
+                    except BaseException as exc:  # (raised from inside save: kept, not propagated)
+                        refusals.append(exc)
+                return Probe()
+
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        sid = cache.save(torch.ones(2, 2), {"probe": Probe()}, StepBatch(["a"], [2], np.arange(2)))
+        assert [type(exc) for exc in refusals] == [StepIdError, StepIdError], refusals
+        assert all(f"step#{sid} is not saved yet" in str(exc) for exc in refusals), refusals
+        assert refusals[0].outstanding == [sid]
+        assert cache.awaited(sid) and cache.stats().steps_outstanding == [sid]
+        assert torch.equal(cache.materialize(sid, ["a"]).hidden["a"], torch.ones(2, 2))
+        stats = cache.stats()
+        assert (stats.steps_outstanding, stats.staging_holders) == ([], [[], [], []]), stats
+
+
+@pytest.mark.parametrize("step_id", [True, 1.0, "1", None, [1]])
+def test_awaited_refuses_ids_that_are_not_ints(step_id) -> None:
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        sid = save_one(cache)
+        with pytest.raises(InvalidInputError, match=r"step_id must be an int"):
+            cache.awaited(step_id)
+        assert cache.awaited(sid) and not cache.awaited(sid + 1)
+        cache.discard(sid)
+        assert not cache.awaited(sid)
 
 
 @pytest.mark.parametrize("timeout_s", [-1, float("nan"), float("inf"), "1", True])
@@ -547,3 +590,17 @@ def test_stats_count_live_requests_and_pending_hit_reads_back_to_zero() -> None:
         assert cache.stats().reads_pending == 0
         cache.begin_step(StepEvents(finished=["a", "c"]))
         assert cache.stats().requests_live == 0
+
+
+def test_close_releases_the_hit_reads_of_steps_never_consumed() -> None:
+    cache = small_cache()
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+    cache.materialize(cache.save(torch.ones(8, 2), {}, StepBatch(["a"], [8], np.arange(8))), ["a"])
+    cache.begin_step(StepEvents(new=[NewRequest("b", [0, 2], 4)]))  # b hits a's first block
+    sid = cache.save(torch.ones(1, 2), {}, StepBatch(["b"], [1], np.array([8])))
+    assert cache.stats().reads_pending == 1
+    cache.close()
+    stats = cache.stats()
+    assert (stats.reads_pending, stats.staging_holders) == (0, [[], [], []]), stats
+    with pytest.raises(CacheClosedError):
+        cache.materialize(sid, ["b"])

@@ -383,7 +383,10 @@ class PrefixCache:
             failure = self._failure
             if failure is None:
                 rows, reads = self._delivery.take_step(shape.rows)
-                hits: dict[str, HitRead] = {req: self._reader.plan(req, read, specs) for req, read in reads.items()}
+                # (none once close has released the unconsumed steps' reads: no step id is consumed after it)
+                hits: dict[str, HitRead] = (
+                    {} if self._closed else {req: self._reader.plan(req, read, specs) for req, read in reads.items()}
+                )
                 self._steps.records[step_id] = StepRecord(
                     step_id, page, handle, shape.n, shape.n_padded, rows, list(cached), hits, kept_leftover, clones,
                     sources, staged, threading.get_ident(), self._copies.epoch, keys.max_row_bytes, arrays is not None,
@@ -520,7 +523,10 @@ class PrefixCache:
     def awaited(self, step_id: int) -> bool:
         """Whether step ``step_id`` is saved and neither `materialize` nor `discard` has taken it
         yet (any thread; a snapshot, no lock: one dict lookup). The vLLM adapter reads it to
-        tell an output still in flight at a reset from one the scheduler already has."""
+        tell an output still in flight at a reset from one the scheduler already has. Raises
+        `InvalidInputError` for an id that is not an int."""
+        if type(step_id) is not int and (isinstance(step_id, bool) or not isinstance(step_id, int)):
+            raise InvalidInputError(f"step_id must be an int, got {step_id!r}")
         return step_id in self._steps.records
 
     # ---- stats -------------------------------------------------------------------------

@@ -43,7 +43,8 @@ class StepEvents:
     latest saved steps' outputs never reached its consumer (vLLM's
     ``reset_prefix_cache(reset_running_requests=True)`` drops the outputs of the steps in
     flight): every row those steps returned for it, prefix-hit rows included, is delivered
-    again, on the same conditions (no more than it had, at most ``_native.MAX_DROPPED_SAVES`` = 16)."""
+    again, on the same conditions (no more than it had, at most ``_native.MAX_DROPPED_SAVES`` = 16; a
+    request not saved since it entered has nothing to undo, and any count from 1 is a no-op)."""
 
     new: Sequence[NewRequest] = ()
     resumed: Sequence[ResumedRequest] = ()

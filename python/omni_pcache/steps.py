@@ -107,7 +107,9 @@ class StepPages:
     def take(self, step_id: int, req_ids: Sequence[str] | None) -> StepRecord:
         """Consumes ``step_id`` (any thread) and returns its record. Raises `InvalidInputError`
         for a request that was not in the step (the id is then not consumed), `StepIdError` for
-        a consumed or unknown id."""
+        a consumed or unknown id, or for an id whose save has not returned yet (issued, no
+        record: another thread's save under way; not consumed, so that save's step stays
+        whole)."""
         if isinstance(step_id, bool) or not isinstance(step_id, int):
             raise InvalidInputError(f"step_id must be an int, got {step_id!r}")
         if not 0 <= step_id < 2**64:  # (no step id is out of u64 range: never issued)
@@ -116,29 +118,21 @@ class StepPages:
         # The usual call names the step's own request ids (the very objects saved), every one in
         # batch order, and needs none of the checks. Identity, not equality: an object that only
         # compares equal to an id (a one-element numpy array of it) must meet the checks.
-        if record is not None and req_ids is not None and not _same_objects(req_ids, record.rows):
-            try:
-                wanted = set(req_ids)
-            except TypeError:  # an unhashable id (a list, a dict, ...)
-                unhashable = [r for r in req_ids if getattr(type(r), "__hash__", None) is None]
-                raise InvalidInputError(
-                    f"req_ids holds request ids (str), got {unhashable[0]!r}; nothing was consumed"
-                ) from None
-            if len(wanted) != len(req_ids):  # (each request's rows are returned once, under its id)
-                twice = sorted({r for r in req_ids if req_ids.count(r) > 1}, key=repr)
-                raise InvalidInputError(f"req_ids has duplicates: {twice}; nothing was consumed")
-            unknown = wanted - record.rows.keys()
-            if unknown:
-                missing = [r for r in req_ids if r in unknown]  # (in the caller's order)
-                raise InvalidInputError(
-                    f"requests {missing} were not in step {step_id}; its requests: {list(record.rows)}"
-                )
-        with self._cond:  # (atomic with `finish`'s bound on the preserved rows)
+        if record is not None and req_ids is not None:
+            _check_req_ids(step_id, record, req_ids)
+        with self._cond:  # (atomic with `finish`'s bound on the preserved rows, and with save's record)
             # A failure since the caller checked the cache released this outstanding step's hit
             # reads (`failure.release_everything`, under this lock): raise it, as every call it
             # cuts short does. A step taken before it keeps its reads (it is no longer listed).
             if (failure := self._failure()) is not None:
                 raise failure
+            now = self.records.get(step_id)
+            if now is None and step_id in self.ids.outstanding():
+                err = StepIdError(f"step#{step_id} is not saved yet (its save has not returned); nothing was consumed")
+                err.step_id, err.outstanding = step_id, self.ids.outstanding()
+                raise err
+            if now is not None and record is None and req_ids is not None:  # (saved since the look above)
+                _check_req_ids(step_id, now, req_ids)
             self.ids.consume(step_id)  # raises StepIdError for a second or unknown consumption
             self._building.add(step_id)
             return self.records.pop(step_id)
@@ -168,10 +162,14 @@ class StepPages:
 
     def release_at_close(self) -> None:
         """At close, after the staging registry closed (ledger lock held): drops every step's
-        hold on its page, since no step id is consumed after close (a materialize under way
-        still reads its page: nothing writes a page once the registry is closed). The write
-        tasks' holds stay: a task queued by a save racing close is still written, and its
-        writer releases its own."""
+        hold on its page and releases the hit reads of the steps not consumed, since no step
+        id is consumed after close (a materialize under way still reads its page, and its own
+        reads: its record is no longer listed; nothing writes a page once the registry is
+        closed). The write tasks' holds stay: a task queued by a save racing close is still
+        written, and its writer releases its own."""
+        for record in self.records.values():
+            for hit in record.hits.values():
+                self._reader.release(hit)
         release_page_holders(self._staging, "step")
 
 
@@ -183,6 +181,35 @@ def release_page_holders(staging: StagingSlots, kind: str | None = None) -> None
         for holder in holders:
             if kind is None or holder[0] == kind:
                 staging.release(page, holder)
+
+
+def _check_req_ids(step_id: int, record: StepRecord, req_ids: Sequence[str]) -> None:
+    """Raises `InvalidInputError` unless ``req_ids`` names requests of the step, each once;
+    nothing is skipped for the usual call, the step's own id objects in batch order."""
+    if _same_objects(req_ids, record.rows):
+        return
+    try:
+        wanted = set(req_ids)
+    except TypeError:  # an unhashable id (a list, a dict, a tuple holding one, ...)
+        unhashable = [r for r in req_ids if not _hashable(r)]
+        raise InvalidInputError(
+            f"req_ids holds request ids (str), got {(unhashable or [req_ids])[0]!r}; nothing was consumed"
+        ) from None
+    if len(wanted) != len(req_ids):  # (each request's rows are returned once, under its id)
+        twice = sorted({r for r in req_ids if req_ids.count(r) > 1}, key=repr)
+        raise InvalidInputError(f"req_ids has duplicates: {twice}; nothing was consumed")
+    unknown = wanted - record.rows.keys()
+    if unknown:
+        missing = [r for r in req_ids if r in unknown]  # (in the caller's order)
+        raise InvalidInputError(f"requests {missing} were not in step {step_id}; its requests: {list(record.rows)}")
+
+
+def _hashable(value: object) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
 
 
 __all__ = ["StepPages", "release_page_holders"]
