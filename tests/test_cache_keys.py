@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections import namedtuple
+from collections import OrderedDict, defaultdict, namedtuple
 from typing import NamedTuple
 
 import numpy as np
@@ -421,6 +421,37 @@ def test_a_numpy_leftover_is_snapshotted_at_save() -> None:
         meta[:] = 99  # the caller reuses its array once save returns
         cache.begin_step(StepEvents())
         assert np.array_equal(cache.materialize(sid, ["a"]).mm["meta"]["a"], np.arange(3))
+
+
+class Rows(list):
+    """A list subclass a caller may hand over as a leftover."""
+
+
+class Interval(tuple):
+    """A tuple subclass built from an iterable (not a namedtuple)."""
+
+
+def test_container_subclasses_in_a_leftover_come_back_as_their_own_types() -> None:
+    # An OrderedDict, a defaultdict (with its factory), a list or tuple subclass: handed back as
+    # what was saved, holding copies (the caller's tensors are overwritten after save).
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        t = torch.arange(3.0)
+        factory = defaultdict(list, {"x": t})
+        meta = {
+            "ordered": OrderedDict([("z", t), ("y", 1)]),
+            "factory": factory,
+            "rows": Rows([t]),
+            "span": Interval([t, 2]),
+        }
+        sid = cache.save(torch.ones(4, 2), {"meta": meta}, StepBatch(["a"], [4], np.arange(4)))
+        t.fill_(9.0)
+        got = cache.materialize(sid, ["a"]).mm["meta"]["a"]
+    assert type(got["ordered"]) is OrderedDict and list(got["ordered"]) == ["z", "y"]
+    assert type(got["factory"]) is defaultdict and got["factory"].default_factory is list
+    assert type(got["rows"]) is Rows and type(got["span"]) is Interval and got["span"][1] == 2
+    for copied in (got["ordered"]["z"], got["factory"]["x"], got["rows"][0], got["span"][0]):
+        assert torch.equal(copied, torch.arange(3.0))
 
 
 Pair = namedtuple("Pair", ["first", "second"])

@@ -16,7 +16,8 @@ from omni_pcache.errors import InvalidInputError
 def snapshot(value: Any, engine: StepCopy, name: str = "") -> Any:
     """A deep CPU copy of ``value``: tensors are copied (device tensors through ``engine``, so
     the reader must wait the step's copy handle before reading them), containers (dicts, lists,
-    tuples, namedtuples) are rebuilt, numpy arrays copied, anything else deep-copied (a device
+    tuples, namedtuples, and subclasses of them as their own type where a shallow copy of
+    theirs can be filled) are rebuilt, numpy arrays copied, anything else deep-copied (a device
     tensor inside another object is then copied on its device). Raises `InvalidInputError`,
     naming the leftover ``name``, for a value that cannot be deep-copied, a meta tensor, or a
     sparse or quantized CUDA tensor."""
@@ -32,12 +33,19 @@ def snapshot(value: Any, engine: StepCopy, name: str = "") -> Any:
             )
         return engine.snapshot(value)
     if isinstance(value, dict):
-        return {k: snapshot(v, engine, name) for k, v in value.items()}
+        items = {k: snapshot(v, engine, name) for k, v in value.items()}
+        return items if type(value) is dict else _same_type(value, lambda out: out.update(items), items)
     if isinstance(value, list):
-        return [snapshot(v, engine, name) for v in value]
+        rows = [snapshot(v, engine, name) for v in value]
+        return rows if type(value) is list else _same_type(value, lambda out: out.__setitem__(slice(None), rows), rows)
     if isinstance(value, tuple):
-        items = [snapshot(v, engine, name) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)  # namedtuples keep their type
+        entries = [snapshot(v, engine, name) for v in value]
+        if type(value) is tuple:
+            return tuple(entries)
+        try:  # (a namedtuple takes its fields as arguments, another subclass an iterable)
+            return type(value)(*entries) if hasattr(value, "_fields") else type(value)(entries)
+        except Exception:
+            return tuple(entries)
     if isinstance(value, np.ndarray):
         return value.copy()
     if isinstance(value, (int, float, bool, str, bytes, type(None))):
@@ -51,6 +59,18 @@ def snapshot(value: Any, engine: StepCopy, name: str = "") -> Any:
             f"leftover mm {name!r} holds a {type(value).__name__}, which cannot be copied at save ({exc!r}); "
             "pass tensors, numpy arrays, plain containers or copyable objects"
         ) from exc
+
+
+def _same_type(value: Any, fill: Any, plain: Any) -> Any:
+    """A dict or list subclass rebuilt as its own type (an OrderedDict, a defaultdict with its
+    factory): a shallow copy with its entries replaced by ``fill``; ``plain`` (the entries in a
+    dict or list) when the type cannot be copied that way."""
+    try:
+        out = copy.copy(value)
+        fill(out)
+    except Exception:
+        return plain
+    return out
 
 
 def is_per_row(value: Any, n: int, n_padded: int) -> bool:
