@@ -439,3 +439,36 @@ def test_the_fence_forgets_the_copies_it_finished() -> None:
         cache.flush()
         sid = cache.save(torch.ones(1, 1024), {}, StepBatch(["a"], [1], np.arange(1)))
         assert torch.equal(cache.materialize(sid, ["a"]).hidden["a"], torch.ones(1, 1024))
+
+
+@pytest.mark.parametrize(
+    ("width", "inline_write_bytes"),
+    [(8, None), (8, 0), (1024, None)],  # (save writes the step; the committer does; a 256 KiB step it copies too)
+    ids=["written-in-save", "written-by-committer", "copied-by-committer"],
+)
+def test_save_and_materialize_under_inference_mode_hand_out_plain_tensors(width, inline_write_bytes) -> None:
+    # vLLM runs execute_model under torch.inference_mode(). The pages and pool a key's first
+    # save allocates there must still be writable by the committer (which is not in inference
+    # mode), and what materialize hands out writable anywhere: on another thread here.
+    overrides = {} if inline_write_bytes is None else {"inline_write_bytes": inline_write_bytes}
+    with small_cache(num_blocks=128, staging_capacity_tokens=256, **overrides) as cache:
+        rows = torch.randn(2 * 256, width)
+        with torch.inference_mode():
+            cache.begin_step(StepEvents(new=[NewRequest("a", list(range(64)))]))
+            first = cache.save(rows[:256], {"codes": torch.arange(256)}, StepBatch(["a"], [256], np.arange(256)))
+        out: dict = {}
+        reader = threading.Thread(target=lambda: out.update(first=cache.materialize(first, ["a"])))
+        reader.start()
+        reader.join()
+        cache.flush()  # (the committer wrote the pool)
+        with torch.inference_mode():  # b hits a's first 64 blocks' rows, computes 256 of its own
+            cache.begin_step(StepEvents(new=[NewRequest("b", list(range(64)) + list(range(64, 128)), 256)]))
+            second = cache.save(rows[256:], {"codes": torch.arange(256)}, StepBatch(["b"], [256], 256 + np.arange(256)))
+            awaited = cache.materialize(second, ["b"])
+        got = {"a": out["first"].hidden["a"], "b": awaited.hidden["b"]}
+        assert torch.equal(got["a"], rows[:256]) and torch.equal(got["b"], torch.cat([rows[:256], rows[256:]]))
+        for tensor in (*got.values(), out["first"].mm["codes"]["a"], awaited.mm["codes"]["b"]):
+            assert not tensor.is_inference()
+            tensor.add_(1)  # the caller's to write, outside inference mode
+        stats = cache.stats()
+        assert (stats.steps_outstanding, stats.tasks_live, stats.reads_pending) == ([], 0, 0), stats

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import subprocess
 import sys
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -341,3 +342,30 @@ def test_a_sparse_cuda_leftover_is_refused_and_the_save_holds_nothing(layout: st
         assert cache.stats().steps_outstanding == [] and cache.stats().staging_holders == [[], [], []]
         sid = cache.save(torch.ones(4, 2, device="cuda"), {"x": [dense]}, batch)  # the corrected retry
         assert torch.equal(cache.materialize(sid, ["a"]).mm["x"]["a"][0], dense.cpu())
+
+
+@pytest.mark.parametrize(
+    "policy", [None, CachePolicy(deferred_keys=frozenset({"codes"}))], ids=["immediate", "deferred"]
+)
+def test_cuda_saves_under_inference_mode_hand_out_plain_writable_tensors(policy) -> None:
+    # vLLM's execute_model runs under torch.inference_mode(): the pinned pages, the pool and the
+    # device clones made there must stay writable by the committer, and the outputs by anyone.
+    with small_cache(policy=policy) as cache:
+        hidden = torch.randn(10, 16, device="cuda")
+        codes = torch.arange(10, device="cuda")
+        with torch.inference_mode():
+            cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2])]))
+            sid = cache.save(hidden, {"codes": codes}, StepBatch(["a"], [10], slots_of([0, 1, 2], 0, 10, BS)))
+            cache.begin_step(StepEvents(finished=["a"]))  # (the fence; flushes deferred rows)
+        out: dict = {}
+        reader = threading.Thread(target=lambda: out.update(got=cache.materialize(sid, ["a"])))
+        reader.start()
+        reader.join()
+        cache.flush()
+        got = out["got"]
+        assert torch.equal(got.hidden["a"], hidden.cpu()) and torch.equal(got.mm["codes"]["a"], codes.cpu())
+        for tensor in (got.hidden["a"], got.mm["codes"]["a"]):
+            assert not tensor.is_inference()
+            tensor.add_(1)
+        stats = cache.stats()
+        assert (stats.tasks_live, stats.device_bytes, stats.steps_outstanding) == (0, 0, []), stats

@@ -21,6 +21,7 @@ variable.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 import weakref
@@ -72,6 +73,25 @@ def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
     def call(*args: Any) -> Any:
         bound = ref()
         return None if bound is None else bound(*args)
+
+    return call
+
+
+def _outside_inference_mode(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` run with torch's inference mode off when the caller has it on (vLLM runs
+    ``execute_model`` under ``torch.inference_mode()``): every tensor the cache makes there
+    outlives the call or crosses threads — staging pages and the pool (allocated at a key's
+    first save), which the committer thread writes in place, and the copies materialize hands
+    out, which the caller may write anywhere — and an inference tensor can be written in
+    place only inside inference mode, on the thread that has it on. The caller's tensors are
+    only read (allowed outside it)."""
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False):
+                return method(self, *args, **kwargs)
+        return method(self, *args, **kwargs)
 
     return call
 
@@ -274,6 +294,7 @@ class PrefixCache:
         still being copied from it. The saved tensors are the caller's again after it."""
         self._copies.fence()
 
+    @_outside_inference_mode
     def save(self, hidden: torch.Tensor | None, mm: dict[str, Any] | None, batch: StepBatch) -> int:
         """Saves one step's outputs and returns its step id (engine thread, after the forward).
 
@@ -494,6 +515,7 @@ class PrefixCache:
 
     # ---- any thread: materialize, discard ----------------------------------------------
 
+    @_outside_inference_mode
     def materialize(self, step_id: int, req_ids: Sequence[str]) -> StepOutputs:
         """Per-request outputs of step ``step_id`` (any thread, exactly once per step id).
 
