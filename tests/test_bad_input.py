@@ -5,6 +5,8 @@ Every case keeps using the object afterwards and checks its state is what it was
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -454,3 +456,31 @@ def test_sizes_and_ids_that_would_overflow_are_typed_errors() -> None:
         deliveries.take_step({"a": (0, 2**64 - 1)})
     rows, _ = deliveries.take_step({"a": (0, 3)})
     assert rows == {"a": (0, 3, 0)}  # a goes on at position 5: nothing was registered by the refusal
+
+
+def test_a_key_whose_ledger_columns_cannot_be_allocated_is_refused_not_aborted() -> None:
+    # A KV cache too large for the host's memory (an address-space limit stands in for a
+    # memory-limited container): the key's ledger columns (16 bytes per slot) fail to allocate.
+    # That used to abort the process; it is an InvalidInputError, and nothing is registered.
+    script = """
+import resource
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+import numpy as np, torch
+from omni_pcache import CacheConfig, InvalidInputError, NewRequest, PrefixCache, StepBatch, StepEvents
+cache = PrefixCache(CacheConfig(num_blocks=100_000_000, block_size=4))
+cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+for _ in range(2):  # (refused alike twice: the first refusal registered nothing)
+    try:
+        cache.save(torch.randn(4, 8), None, StepBatch(["a"], [4], np.arange(4)))
+    except InvalidInputError as exc:
+        print(exc)
+stats = cache.stats()
+assert stats.steps_outstanding == [] and stats.pool_bytes == {}, stats
+cache.close()
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2 and all(line == lines[0] for line in lines), lines
+    assert lines[0].startswith("hidden states: invalid input: the ledger's columns for a new key (400000000 slots")
+    assert "lower num_blocks" in lines[0]

@@ -111,7 +111,10 @@ class KeyRegistry:
 
     def _spec_for(self, name: str, value: torch.Tensor) -> KeySpec:
         """Registers a new key (its ledger id: a forgotten key's, else a new one)."""
-        key_id = self._spare_key_ids.pop() if self._spare_key_ids else self._add_key()
+        try:
+            key_id = self._spare_key_ids.pop() if self._spare_key_ids else self._add_key()
+        except InvalidInputError as exc:  # (the ledger's columns for it cannot be allocated)
+            raise InvalidInputError(f"{_what(name)}: {exc}; lower num_blocks or give the host more memory") from None
         spec = self._specs[name] = KeySpec(name, tuple(value.shape[1:]), value.dtype, key_id)
         self._step_keys.clear()  # (their `omitted` keys are made again with this one)
         return spec
@@ -159,12 +162,16 @@ class KeyRegistry:
         and the names it added (for `forget`, should the step still be refused)."""
         added: list[str] = []
         out: dict[str, tuple[KeySpec, torch.Tensor]] = {}
-        for name, rows in cached.items():
-            spec = self._specs.get(name)
-            if spec is None:
-                spec = self._spec_for(name, rows)
-                added.append(name)
-            out[name] = (spec, rows)
+        try:
+            for name, rows in cached.items():
+                spec = self._specs.get(name)
+                if spec is None:
+                    spec = self._spec_for(name, rows)  # (InvalidInputError: no ledger columns for it)
+                    added.append(name)
+                out[name] = (spec, rows)
+        except BaseException:
+            self.forget(tuple(added))  # (a refused step registers none of its keys)
+            raise
         if leftover and self._policy.token_keys is None and n > 0:
             new_leftover = [k for k in leftover if k not in self._specs and k not in self._leftover]
             self._leftover.update(new_leftover)

@@ -173,11 +173,24 @@ impl Ledger {
         self.keys.len() as u32
     }
 
-    /// Registers a key: every slot absent at version 0.
+    /// Registers a key: every slot absent at version 0. Panics when its columns cannot be
+    /// allocated ([`Ledger::try_add_key`] refuses instead).
     pub fn add_key(&mut self) -> KeyId {
-        let columns = KeyColumns::new(self.num_slots as usize, self.block_size as usize);
+        self.try_add_key()
+            .expect("allocating a key's ledger columns")
+    }
+
+    /// Registers a key, or refuses with `InvalidInput` (nothing registered) when the
+    /// allocator cannot provide its columns: 16 bytes per slot, allocated at once.
+    pub fn try_add_key(&mut self) -> Result<KeyId> {
+        let (num_slots, block_size) = (self.num_slots as usize, self.block_size as usize);
+        let columns = KeyColumns::try_new(num_slots, block_size).ok_or_else(|| Error::InvalidInput {
+            what: format!(
+                "the ledger's columns for a new key ({num_slots} slots, 16 bytes each) cannot be allocated"
+            ),
+        })?;
         self.keys.push(columns);
-        KeyId(self.keys.len() as u32 - 1)
+        Ok(KeyId(self.keys.len() as u32 - 1))
     }
 
     /// Tasks holding at least one claim (claimed, not yet committed or failed).

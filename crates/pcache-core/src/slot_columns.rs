@@ -108,31 +108,46 @@ pub(crate) struct KeyColumns {
     block_shift: Option<u32>,
 }
 
+/// `len` copies of `value`, or `None` when they cannot be allocated.
+fn filled<T: Clone>(len: usize, value: T) -> Option<Vec<T>> {
+    let mut out = Vec::new();
+    out.try_reserve_exact(len).ok()?;
+    out.resize(len, value);
+    Some(out)
+}
+
 impl KeyColumns {
-    /// Columns for `num_slots` slots in blocks of `block_size` (`>= 1`): every slot absent
-    /// at version 0.
+    /// `try_new`, for tests.
+    #[cfg(test)]
     pub(crate) fn new(num_slots: usize, block_size: usize) -> Self {
+        Self::try_new(num_slots, block_size).expect("allocating a key's ledger columns")
+    }
+
+    /// Columns for `num_slots` slots in blocks of `block_size` (`>= 1`), every slot absent at
+    /// version 0; `None` when the allocator cannot provide them (16 bytes per slot, and an
+    /// entry per block), instead of aborting the process.
+    pub(crate) fn try_new(num_slots: usize, block_size: usize) -> Option<Self> {
         let absent = Entry {
             owner: OWNER_ABSENT,
             version: 0,
             readers: 0,
         };
         let num_blocks = num_slots.div_ceil(block_size);
-        let mut whole = vec![0u64; num_blocks.div_ceil(64)];
+        let mut whole = filled(num_blocks.div_ceil(64), 0u64)?;
         for b in 0..num_slots / block_size {
             whole[b / 64] |= 1 << (b % 64);
         }
-        Self {
-            owner: vec![OWNER_ABSENT; num_slots],
-            version: vec![0; num_slots],
-            readers: vec![0; num_slots],
+        Some(Self {
+            owner: filled(num_slots, OWNER_ABSENT)?,
+            version: filled(num_slots, 0)?,
+            readers: filled(num_slots, 0)?,
             whole,
-            blocks: vec![absent; num_blocks],
+            blocks: filled(num_blocks, absent)?,
             block_size,
             block_shift: block_size
                 .is_power_of_two()
                 .then(|| block_size.trailing_zeros()),
-        }
+        })
     }
 
     fn block_of(&self, slot: usize) -> usize {

@@ -136,9 +136,10 @@ impl Ledger {
         })
     }
 
-    /// Registers a key and returns its id (0, 1, ...).
-    fn add_key(&self) -> u32 {
-        self.inner.lock().add_key().0
+    /// Registers a key and returns its id (0, 1, ...); `InvalidInputError` when its columns
+    /// cannot be allocated.
+    fn add_key(&self) -> PyResult<u32> {
+        Ok(self.inner.lock().try_add_key().py_err()?.0)
     }
 
     /// Claims `slots` of key `key_id` for task `task_id` (appended to its row order).
