@@ -394,6 +394,19 @@ def test_a_leftover_that_cannot_be_copied_fails_the_save_and_holds_nothing() -> 
         assert torch.equal(cache.materialize(sid, ["ok"]).hidden["ok"], torch.ones(4, 2))
 
 
+def test_a_leftover_that_holds_itself_is_refused_and_holds_nothing() -> None:
+    cyclic: list = [torch.ones(2)]
+    cyclic.append(cyclic)
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        batch = StepBatch(["a"], [4], slots_of([0], 0, 4, BS))
+        with pytest.raises(InvalidInputError, match=r"leftover mm 'meta' holds itself, or is nested too deeply"):
+            cache.save(torch.zeros(4, 2), {"meta": cyclic}, batch)
+        assert cache.stats().steps_outstanding == []
+        sid = cache.save(torch.zeros(4, 2), {"meta": [1]}, batch)
+        assert cache.materialize(sid, ["a"]).mm["meta"]["a"] == [1]
+
+
 def test_a_step_without_tokens_classifies_nothing() -> None:
     # A step with no scheduled tokens (every mm entry then looks like a leftover) must not
     # remember its names as leftover: a later step's per-token "codes" is still cached.

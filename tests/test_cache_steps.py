@@ -190,6 +190,10 @@ def test_materialize_refuses_a_bare_str_unhashable_and_duplicate_ids_and_consume
             r"slot_mapping must be a 1-D integer array, got int64 \(2, 2\)",
         ),
         (StepBatch(["a"], [2], np.array([64, 1], dtype=np.uint16)), r"slot_mapping: slot id 64 at position 0"),
+        (  # (not read as the negative int64 it wraps to)
+            StepBatch(["a"], [2], np.array([1, 2**64 - 1], dtype=np.uint64)),
+            r"slot_mapping: slot id 18446744073709551615 at position 1 is out of range \[0, 64\)",
+        ),
         # a str is iterable, but its characters are not the batch's request ids
         (StepBatch("ab", [1, 1], np.arange(2)), "StepBatch.req_ids must be a sequence, got the single 'ab'"),
         (StepBatch(None, [2], np.arange(2)), "StepBatch.req_ids must be a sequence, got NoneType"),
@@ -470,6 +474,9 @@ def test_closed_cache_refuses_calls_and_close_is_idempotent() -> None:
     cache.close()
     with pytest.raises(CacheClosedError):
         cache.begin_step(StepEvents())
+    with pytest.raises(CacheClosedError, match="the cache is closed"):  # (not a with block that fails inside)
+        with cache:
+            pass
 
 
 def test_a_with_block_closes_the_cache_it_configured() -> None:

@@ -487,6 +487,18 @@ def test_slot_mapping_refuses_a_negative_position_and_a_block_id_that_is_not_an_
         slot_mapping([[5, 6], ["x", 8]], np.array([0, 0]), np.array(counts), 4)
 
 
+@pytest.mark.parametrize("block_size", [0, -4, 2.0, True])
+def test_slot_mapping_refuses_a_block_size_under_one_or_not_an_int(block_size) -> None:
+    # (block size 0 gave slot 0 for every position, with only numpy's division warning)
+    with pytest.raises(InvalidInputError, match=r"block_size must be an int >= 1"):
+        slot_mapping([[1, 2]], np.array([0]), np.array([1]), block_size)
+
+
+def test_slot_mapping_refuses_a_negative_count() -> None:
+    with pytest.raises(InvalidInputError, match=r"^row 1: -3 tokens scheduled; counts are >= 0$"):
+        slot_mapping([[1, 2], [3]], np.array([0, 0]), np.array([1, -3]), 4)
+
+
 def test_slot_mapping_takes_lists_refuses_unequal_lengths_and_names_the_first_short_row() -> None:
     assert slot_mapping([[5, 6]], [6], [2], 4).tolist() == [26, 27]  # (starts and counts as lists)
     # (a block list too many was ignored: its request got no slots and no error)

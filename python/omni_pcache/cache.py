@@ -178,6 +178,8 @@ class PrefixCache:
     # ---- context manager and lifecycle -------------------------------------------------
 
     def __enter__(self) -> PrefixCache:
+        """The cache itself; `CacheClosedError` (or the failure) for one already closed."""
+        self._check_usable()
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -44,7 +44,9 @@ class KeyRead:
 
 @dataclass(slots=True)
 class HitRead:
-    """A request's hit span ``[0, num_rows)`` planned for every cached key."""
+    """A request's pool read, planned for every cached key: ``num_rows`` rows from where its
+    consumer's rows end (position 0 for a new request's hit; a resumed request's first row
+    not yet delivered) to its resume point. Offsets into it run over ``[0, num_rows)``."""
 
     req_id: str
     num_rows: int
@@ -109,7 +111,7 @@ class HitReader:
                 absent = np.flatnonzero(read.plan.sources == SOURCE_ABSENT)
                 raise UnservableHitError(
                     f"request {hit.req_id!r} (step {step_id}) hits {hit.num_rows} rows of "
-                    f"{read.spec.name!r}, but {absent.size} were never written (first positions "
+                    f"{read.spec.name!r}, but {absent.size} were never written (first offsets into the span read "
                     f"{absent[:8].tolist()}, slots {read.slots[absent[:8]].tolist()}): the steps that "
                     "computed them did not give this key, or the cache does not mirror the engine's KV "
                     "for these blocks"

@@ -14,6 +14,17 @@ from omni_pcache.errors import InvalidInputError
 
 
 def snapshot(value: Any, engine: StepCopy, name: str = "") -> Any:
+    """`_copied`, with a container that holds itself (or is nested past Python's recursion
+    limit) refused with `InvalidInputError` like any value that cannot be copied."""
+    try:
+        return _copied(value, engine, name)
+    except RecursionError:
+        raise InvalidInputError(
+            f"leftover mm {name!r} holds itself, or is nested too deeply to copy at save; pass it without the cycle"
+        ) from None
+
+
+def _copied(value: Any, engine: StepCopy, name: str) -> Any:
     """A deep CPU copy of ``value``: tensors are copied (device tensors through ``engine``, so
     the reader must wait the step's copy handle before reading them), containers (dicts, lists,
     tuples, namedtuples, and subclasses of them as their own type where a shallow copy of
@@ -33,13 +44,13 @@ def snapshot(value: Any, engine: StepCopy, name: str = "") -> Any:
             )
         return engine.snapshot(value)
     if isinstance(value, dict):
-        items = {k: snapshot(v, engine, name) for k, v in value.items()}
+        items = {k: _copied(v, engine, name) for k, v in value.items()}
         return items if type(value) is dict else _same_type(value, lambda out: out.update(items), items)
     if isinstance(value, list):
-        rows = [snapshot(v, engine, name) for v in value]
+        rows = [_copied(v, engine, name) for v in value]
         return rows if type(value) is list else _same_type(value, lambda out: out.__setitem__(slice(None), rows), rows)
     if isinstance(value, tuple):
-        entries = [snapshot(v, engine, name) for v in value]
+        entries = [_copied(v, engine, name) for v in value]
         if type(value) is tuple:
             return tuple(entries)
         try:  # (a namedtuple takes its fields as arguments, another subclass an iterable)

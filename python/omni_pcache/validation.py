@@ -113,6 +113,11 @@ def check_batch(batch: StepBatch, config: CacheConfig) -> BatchShape:
             raise InvalidInputError(f"slot_mapping must be a 1-D integer array: {exc}") from None
         if mapping.ndim != 1 or mapping.dtype.kind not in "iu":
             raise InvalidInputError(f"slot_mapping must be a 1-D integer array, got {mapping.dtype} {mapping.shape}")
+        if mapping.dtype.kind == "u" and mapping.size and int(mapping.max()) > np.iinfo(np.int64).max:
+            at = int(np.argmax(mapping > np.iinfo(np.int64).max))  # (as int64 it would read as a negative id)
+            raise InvalidInputError(
+                f"slot_mapping: slot id {int(mapping[at])} at position {at} is out of range [0, {config.num_slots})"
+            )
         checked = native_check_batch(req_ids, counts, mapping.astype(np.int64), *args)
     n, slots, rows, req_ids, starts, counts = checked
     n_padded = n if batch.num_tokens_padded is None else _int(batch.num_tokens_padded, "num_tokens_padded", n)

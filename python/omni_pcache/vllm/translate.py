@@ -80,11 +80,17 @@ def slot_mapping(
     """Slots of positions ``[starts[i], starts[i] + counts[i])`` under ``block_lists[i]``, concatenated
     (int64). Only the blocks those positions touch are gathered, so a decode step costs O(1) per
     request whatever its length. Raises `InvalidInputError` for a negative start, a list too
-    short for its positions, an entry that is not a block id, or arguments of unequal lengths."""
+    short for its positions, an entry that is not a block id, arguments of unequal lengths, a
+    negative count or a block size under 1."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int | np.integer) or block_size < 1:
+        raise InvalidInputError(f"block_size must be an int >= 1, got {block_size!r}")
     starts = np.asarray(starts, dtype=np.int64)
     counts = np.asarray(counts, dtype=np.int64)
     if not len(block_lists) == len(starts) == len(counts):  # (else the extra entries would be ignored)
         raise InvalidInputError(f"{len(block_lists)} block lists for {len(starts)} starts and {len(counts)} counts")
+    if len(counts) and counts.min() < 0:
+        i = int(np.flatnonzero(counts < 0)[0])
+        raise InvalidInputError(f"row {i}: {int(counts[i])} tokens scheduled; counts are >= 0")
     n = int(counts.sum())
     if n == 0:
         return np.empty(0, dtype=np.int64)
