@@ -260,14 +260,41 @@ class Span(NamedTuple):
         ({"cache_hidden": "no"}, "CachePolicy.cache_hidden must be a bool, got 'no'"),
         ({"token_keys": {"hidden"}}, "'hidden' is reserved for hidden states; use cache_hidden"),
         (
-            {"token_keys": {"codes"}, "deferred_keys": {"codes", "audio"}},
+            {"token_keys": {"codes"}, "deferred_keys": {"codes", "audio", "hidden"}},
             r"deferred_keys \['audio'\] are not in token_keys",
+        ),
+        (
+            {"cache_hidden": False, "deferred_keys": {"hidden"}},
+            "deferred_keys names 'hidden', but cache_hidden=False caches no hidden states",
         ),
     ],
 )
 def test_a_policy_of_the_wrong_shape_is_refused(kwargs, message) -> None:
     with pytest.raises(ConfigError, match=message):
         CachePolicy(**kwargs)
+
+
+@pytest.mark.parametrize("token_keys", [None, frozenset({"codes"})], ids=["discovered", "named"])
+def test_deferred_hidden_states_are_served_from_their_clone_then_the_pool(token_keys) -> None:
+    # "hidden" in deferred_keys keeps the hidden states on the device until the request
+    # finishes, whether the mm keys are discovered or named.
+    policy = CachePolicy(token_keys=token_keys, deferred_keys=frozenset({"hidden"}))
+    with small_cache(policy=policy) as cache:
+        hidden, codes = torch.randn(8, 4), torch.arange(8)
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        cache.materialize(cache.save(hidden, {"codes": codes}, StepBatch(["a"], [8], np.arange(8))), ["a"])
+        assert cache.stats().deferred_open == 1  # a's hidden rows: still on the device (its clone)
+        cache.begin_step(StepEvents(new=[NewRequest("b", [0, 2], 4)]))  # b hits a's first block
+        sid = cache.save(torch.randn(1, 4), {"codes": codes[:1]}, StepBatch(["b"], [1], np.array([8])))
+        out = cache.materialize(sid, ["b"])
+        assert torch.equal(out.hidden["b"][:4], hidden[:4]) and torch.equal(out.mm["codes"]["b"][:4], codes[:4])
+        cache.begin_step(StepEvents(finished=["a", "b"]))
+        cache.flush()
+        cache.begin_step(StepEvents(new=[NewRequest("c", [0], 4)]))  # from the pool now
+        sid = cache.save(torch.randn(0, 4), {"codes": codes[:0]}, StepBatch(["c"], [0], np.empty(0, np.int64)))
+        assert torch.equal(cache.materialize(sid, ["c"]).hidden["c"], hidden[:4])
+        stats = cache.stats()
+        assert (stats.deferred_open, stats.device_bytes, stats.tasks_live) == (0, 0, 0), stats
 
 
 def test_a_leftover_that_requires_grad_is_snapshotted_out_of_the_graph() -> None:

@@ -121,7 +121,8 @@ class CachePolicy:
     ``None`` discovers per-token mm keys by shape (dim 0 equals the step's token count, padded
     or not) and classifies each key once; an explicit set turns discovery off, so only those
     keys are cached and every other mm entry is leftover. ``deferred_keys``: per-token keys kept
-    on the device until their request finishes (they must be per-token keys).
+    on the device until their request finishes (they must be per-token keys; ``"hidden"``
+    names the hidden states, with or without ``token_keys``, when ``cache_hidden``).
     """
 
     cache_hidden: bool = True
@@ -136,6 +137,8 @@ class CachePolicy:
             if HIDDEN in self.token_keys:
                 raise ConfigError(f"{HIDDEN!r} is reserved for hidden states; use cache_hidden")
         object.__setattr__(self, "deferred_keys", _key_names(self.deferred_keys, "deferred_keys"))
-        if self.token_keys is not None and not self.deferred_keys <= self.token_keys:
-            missing = sorted(self.deferred_keys - self.token_keys)
+        if HIDDEN in self.deferred_keys and not self.cache_hidden:
+            raise ConfigError(f"deferred_keys names {HIDDEN!r}, but cache_hidden=False caches no hidden states")
+        if self.token_keys is not None and not self.deferred_keys <= self.token_keys | {HIDDEN}:
+            missing = sorted(self.deferred_keys - self.token_keys - {HIDDEN})
             raise ConfigError(f"deferred_keys {missing} are not in token_keys")
