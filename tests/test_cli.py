@@ -59,6 +59,8 @@ def test_bad_options_get_one_line_errors(args: list[str], message: str | None) -
     assert "Traceback" not in out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], out.stderr
+    prefix = "omni-pcache demo: error: " if args else "omni-pcache: error: "  # (one prefix per command)
+    assert lines[0].startswith(prefix), lines[0]
 
 
 def test_the_demos_check_fails_on_wrong_leftovers_short_aborted_rows_and_a_cut_run() -> None:

@@ -1121,3 +1121,17 @@ def test_a_normal_preemption_drops_while_a_resets_output_is_outstanding(still_ou
     entries.all_token_ids["R"] = list(range(20))
     t.update(so_of(cached=entries, counts={"R": 8}))
     assert t.dropped_saves == ({"R": 1} if still_out else {})
+
+
+@pytest.mark.parametrize("steps", [0, -1, "2", 2.0, True])
+def test_a_tracker_refuses_steps_in_flight_that_is_not_an_int_from_one(steps) -> None:
+    with pytest.raises(InvalidInputError, match=r"steps_in_flight must be an int >= 1"):
+        BlockTracker(steps)
+    assert BlockTracker(np.int64(3)).dropped_saves == {}  # (a numpy int is an int)
+
+
+@pytest.mark.parametrize("rank", ["0x", "0", -1, 0.0, None])
+def test_build_cache_refuses_a_tensor_parallel_rank_that_is_not_an_int_from_zero(rank) -> None:
+    config = CacheConfig(num_blocks=16, block_size=BLOCK_SIZE)
+    with pytest.raises(InvalidInputError, match=r"tensor_parallel_rank must be an int >= 0"):
+        build_cache(config, is_last_pipeline_stage=True, tensor_parallel_rank=rank)

@@ -55,7 +55,7 @@ def _rate(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="omni-pcache", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="omni-pcache", description=" ".join(__doc__.split("\n\n")[0].split()))
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     demo = sub.add_parser("demo", help="run the embedded engine with and without the cache and compare")
     demo.add_argument("--workload", choices=WORKLOADS, default="mixed", help="request mix (default: mixed)")
@@ -186,11 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
         if args.num_blocks * args.block_size < 256:
-            print("omni-pcache: error: --num-blocks x --block-size must hold at least 256 tokens", file=sys.stderr)
+            print("omni-pcache demo: error: --num-blocks x --block-size must hold at least 256 tokens", file=sys.stderr)
             return 2
         if args.num_blocks * args.block_size > MAX_DEMO_SLOTS:  # (the model's KV is allocated up front)
             print(
-                f"omni-pcache: error: --num-blocks x --block-size must be at most {MAX_DEMO_SLOTS:,} tokens",
+                f"omni-pcache demo: error: --num-blocks x --block-size must be at most {MAX_DEMO_SLOTS:,} tokens",
                 file=sys.stderr,
             )
             return 2

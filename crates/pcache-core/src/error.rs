@@ -10,6 +10,12 @@ use crate::ids::{KeyId, ReadId, StepId, TaskId};
 use crate::staging::Holder;
 use crate::task_state::TaskState;
 
+/// Step ids as the numbers a caller passes back (`[0, 3]`), as the binding's `outstanding`
+/// attribute lists them.
+fn plain_ids(ids: &[StepId]) -> String {
+    format!("{:?}", ids.iter().map(|id| id.0).collect::<Vec<_>>())
+}
+
 /// Shorthand for results of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -57,14 +63,20 @@ pub enum Error {
     UnknownRead { read: ReadId },
 
     /// A step id consumed a second time.
-    #[error("{step} was already consumed; outstanding step ids: {outstanding:?}")]
+    #[error(
+        "{step} was already consumed; outstanding step ids: {}",
+        plain_ids(outstanding)
+    )]
     StepAlreadyConsumed {
         step: StepId,
         outstanding: Vec<StepId>,
     },
 
     /// A step id that was never issued.
-    #[error("{step} was never issued; outstanding step ids: {outstanding:?}")]
+    #[error(
+        "{step} was never issued; outstanding step ids: {}",
+        plain_ids(outstanding)
+    )]
     UnknownStep {
         step: StepId,
         outstanding: Vec<StepId>,

@@ -145,7 +145,10 @@ mod tests {
                 outstanding: vec![b]
             }
         );
-        assert!(err.to_string().contains("[step#1]"), "{err}");
+        assert!(
+            err.to_string().ends_with("outstanding step ids: [1]"),
+            "{err}"
+        );
         ids.consume(b).unwrap();
         assert_eq!(ids.num_outstanding(), 0);
     }
