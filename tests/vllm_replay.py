@@ -346,6 +346,7 @@ class Runner(PrefixCacheRunnerMixin):
         else:
             self.consume(*item)
 
+    @torch.inference_mode()  # (as vLLM's runners run it: save then makes no inference tensors)
     def execute_model(self, so: Any, step_no: int, computed: dict[str, int]) -> None:
         self.pcache_begin_step(so)  # before the runner drops finished requests
         if so.total_num_scheduled_tokens == 0:

@@ -283,6 +283,7 @@ class Runner(PrefixCacheRunnerMixin):
             tensor_parallel_rank=0,
         )
 
+    @torch.inference_mode()  # (as vLLM's runners run it: save then makes no inference tensors)
     def execute_model(self, so: SchedulerOutput) -> tuple[int | None, list[str], ModelRunnerOutput]:
         """begin_step, forward, save, sample; returns the step id, the row order and the output."""
         self.pcache_begin_step(so)  # first, before the runner drops finished requests
