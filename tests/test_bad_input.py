@@ -484,3 +484,60 @@ cache.close()
     assert len(lines) == 2 and all(line == lines[0] for line in lines), lines
     assert lines[0].startswith("hidden states: invalid input: the ledger's columns for a new key (400000000 slots")
     assert "lower num_blocks" in lines[0]
+
+
+def test_a_request_id_subclass_that_names_one_request_twice_is_refused() -> None:
+    # A str subclass with its own hash lets a dict hold two keys of one text: the core would take
+    # them as one request named twice (its positions wrapped past the largest), so it is refused.
+    class Twin(str):
+        def __hash__(self) -> int:
+            return id(self)
+
+        def __eq__(self, other: object) -> bool:
+            return self is other
+
+    deliveries = Deliveries(4)
+    with pytest.raises(InvalidInputError, match=r'StepBatch.req_ids names request "a" twice'):
+        deliveries.take_step({Twin("a"): (0, 2**63), Twin("a"): (0, 2**63)})
+    rows, _ = deliveries.take_step({Twin("a"): (0, 3)})
+    assert list(rows.values()) == [(0, 3, 0)]  # nothing registered by the refusal: a starts at 0
+
+
+def test_a_zero_count_in_a_batch_claim_registers_a_task_that_commits_nothing(ledger) -> None:
+    key = ledger.add_key()
+    ledger.claim_many(np.array([0, 1, 2]), [2, 0, 1], key, [1, 2, 3])
+    assert ledger.commit_many([1, 2, 3]) == 3  # (task 2 was unknown to the ledger: the commit refused)
+    assert ledger.num_tasks == 0
+
+
+def test_index_arrays_at_an_odd_byte_offset_are_read_from_an_aligned_copy(ledger) -> None:
+    key = ledger.add_key()
+    for dtype in (np.int64, np.int32):
+        size = np.dtype(dtype).itemsize
+        raw = bytearray(1 + 4 * size)
+        odd = np.frombuffer(raw, dtype=dtype, offset=1, count=4)
+        assert not odd.flags.aligned
+        odd[:] = [4, 5, 6, 7]
+        sources, versions = ledger.peek(odd, key)
+        assert len(sources) == 4 and versions.tolist() == [0, 0, 0, 0]
+        checked = check_batch(["a"], [4], odd, 8, 64)
+        assert checked[1].tolist() == [4, 5, 6, 7]
+
+
+def test_a_span_whose_slots_cannot_be_allocated_is_refused_not_aborted() -> None:
+    # block_slots over 2**32 - 1 positions asks for 32 GiB of slot ids: under an address-space
+    # limit (a memory-limited container) that used to abort the process.
+    script = """
+import resource
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+import numpy as np
+from omni_pcache import InvalidInputError
+from omni_pcache._native import block_slots
+try:
+    block_slots(np.array([0]), 0, 2**32 - 1, 2**32 - 1)
+except InvalidInputError as exc:
+    print(exc)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "the slots of positions 0..4294967295 cannot be allocated" in done.stdout, done.stdout

@@ -131,7 +131,12 @@ pub fn slots_of(blocks: &[i64], start: usize, stop: usize, block_size: u32) -> R
             ),
         });
     }
-    let mut out = Vec::with_capacity(stop - start);
+    let mut out = Vec::new();
+    if out.try_reserve_exact(stop - start).is_err() {
+        return Err(Error::InvalidInput {
+            what: format!("the slots of positions {start}..{stop} cannot be allocated"),
+        });
+    }
     let mut pos = start;
     while pos < stop {
         let (block, offset) = (pos / bs, pos % bs);

@@ -173,7 +173,7 @@ impl Deliveries {
     }
 
     /// One save of each request's `(req_id, first_row, count)` rows, in batch order (each
-    /// request once). Returns per request its [`StepRows`], and the pool reads due now as
+    /// request once: a request named twice may panic). Returns per request its [`StepRows`], and the pool reads due now as
     /// `(index of the request in `rows`, slots)`. A request never scheduled becomes live at
     /// position 0. Refused, changing nothing, if a request's positions would pass `usize::MAX`.
     pub fn take_step<'a>(
@@ -213,7 +213,11 @@ impl Deliveries {
                 count,
                 drop,
             });
-            state.next_pos = start + count;
+            // (checked above for each request named once, as callers must: a request named
+            // twice whose positions pass the largest is a caller's bug, not a silent wrap)
+            state.next_pos = start
+                .checked_add(count)
+                .expect("take_step: a request named twice in one save");
             state.delivered = state.delivered.max(state.next_pos);
         }
         Ok((out, reads))

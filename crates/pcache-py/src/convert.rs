@@ -64,11 +64,26 @@ pub fn readonly_1d<'py, T: Element>(
     let Ok(array) = obj.cast::<PyArray1<T>>() else {
         return Ok(None);
     };
+    // A view at an odd byte offset (`np.frombuffer(buf, offset=1)`) holds elements Rust may not
+    // read in place: an aligned copy is read instead.
+    let array = if is_aligned(array) {
+        array.clone()
+    } else {
+        array.call_method0("copy")?.cast_into::<PyArray1<T>>()?
+    };
     array.try_readonly().map(Some).map_err(|err| {
         invalid_input(format!(
             "{what} cannot be read: {err} (its memory is being written by another thread)"
         ))
     })
+}
+
+/// Whether `array`'s data pointer is aligned for its element type (numpy's `aligned` flag,
+/// for the first element; strides that are not multiples of it are copied as non-contiguous).
+pub fn is_aligned<T: Element, D: numpy::ndarray::Dimension>(
+    array: &Bound<'_, numpy::PyArray<T, D>>,
+) -> bool {
+    (array.data() as usize).is_multiple_of(std::mem::align_of::<T>())
 }
 
 impl<'py> Indices<'py> {

@@ -258,10 +258,22 @@ impl Deliveries {
         let py = rows.py();
         let mut keys = Vec::with_capacity(rows.len());
         let mut spans = Vec::with_capacity(rows.len());
+        let mut subclassed = false;
         for (req_id, span) in rows.iter() {
             let (first_row, count): (usize, usize) = span.extract()?;
+            subclassed |= !req_id.is_exact_instance_of::<PyString>();
             spans.push((req_id_of(&req_id, &"StepBatch.req_ids")?, first_row, count));
             keys.push(req_id);
+        }
+        // A dict's exact-str keys are distinct strings; a str subclass with its own equality
+        // can make two keys of one text, which the core takes as one request named twice.
+        if subclassed {
+            let mut seen = std::collections::HashSet::with_capacity(spans.len());
+            if let Some((twice, _, _)) = spans.iter().find(|(r, _, _)| !seen.insert(r.as_str())) {
+                return Err(invalid_input(format!(
+                    "StepBatch.req_ids names request {twice:?} twice"
+                )));
+            }
         }
         let (out, reads) = self
             .inner

@@ -48,6 +48,9 @@ impl<'py> RowBytes<'py> {
                     if array.ndim() == 0 || !array.is_c_contiguous() {
                         return Err("rows must be a C-contiguous array of at least one dimension".into());
                     }
+                    if !crate::convert::is_aligned(array) {
+                        return Err("rows must be aligned for their element type (not a view at an odd byte offset)".into());
+                    }
                     return array.try_readonly().map(RowBytes::$variant).map_err(|err| err.to_string());
                 })*
             };
