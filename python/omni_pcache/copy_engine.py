@@ -93,28 +93,48 @@ class HostCopy:
 
 class CopyHandle:
     """Completion of one step's copies. ``wait`` returns once the host rows are valid (running
-    the step's CPU copies itself if nobody has yet)."""
+    the step's CPU copies itself if nobody has yet). Any thread: the event is waited and
+    queried with its ``device`` current (the committer and output threads never set one, and a
+    CUDA event call on a thread whose current device has no context creates one there: device
+    0's, hundreds of MiB, in a worker that owns another GPU)."""
 
-    __slots__ = ("_event", "_host")
+    __slots__ = ("_device", "_event", "_host")
 
-    def __init__(self, event: torch.cuda.Event | None = None, host: HostCopy | None = None) -> None:
+    def __init__(
+        self,
+        event: torch.cuda.Event | None = None,
+        host: HostCopy | None = None,
+        device: torch.device | None = None,
+    ) -> None:
         self._event = event
         self._host = host
+        self._device = device
 
     def wait(self) -> None:
         if self._host is not None:
             self._host.run()
-        if self._event is not None:
-            self._event.synchronize()
+        self.wait_device()
 
     def wait_device(self) -> None:
         """Waits only the step's device→host copies (not its CPU copies, which a reader of the
         caller's CPU tensors does not need)."""
-        if self._event is not None:
+        if self._event is None:
+            return
+        if self._device is None:
+            self._event.synchronize()
+            return
+        with torch.cuda.device(self._device):
             self._event.synchronize()
 
     def done(self) -> bool:
-        return (self._host is None or self._host.done()) and (self._event is None or bool(self._event.query()))
+        if self._host is not None and not self._host.done():
+            return False
+        if self._event is None:
+            return True
+        if self._device is None:
+            return bool(self._event.query())
+        with torch.cuda.device(self._device):
+            return bool(self._event.query())
 
 
 @dataclass
@@ -203,7 +223,7 @@ class StepCopy:
         self.engine.remember(device, done)
         if started is not None:
             self.engine.timed.append((started, done))
-        return CopyHandle(done, host)
+        return CopyHandle(done, host, device)
 
 
 class CopyEngine:

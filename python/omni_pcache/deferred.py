@@ -145,9 +145,11 @@ class Clone:
         return cls(tensor, holders, budget, ready=ready)
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
-        """A view of rows ``[start, stop)``, safe to read from any thread and stream."""
+        """A view of rows ``[start, stop)``, safe to read from any thread and stream (the ready
+        event is waited with the clone's device current: see `copy_engine.CopyHandle`)."""
         if self.ready is not None:
-            self.ready.synchronize()
+            with torch.cuda.device(self.tensor.device):
+                self.ready.synchronize()
         return self.tensor[start:stop]
 
     @property
