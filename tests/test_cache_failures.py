@@ -710,3 +710,57 @@ def test_close_between_begin_steps_flushes_of_two_finished_requests_still_writes
     stats = cache.stats()
     assert (stats.device_bytes, stats.tasks_live, stats.deferred_open) == (0, 0, 0), stats
     assert stats.bytes_written["codes"] == 4 * 3 * 4, "a's rows were written; b's open record was dropped"
+
+
+def test_a_materialize_that_close_overtakes_before_it_takes_its_step_raises_cache_closed() -> None:
+    # materialize passed its usability check, then close ran to the end on another thread (and
+    # released the outstanding steps' hit reads) before the step was taken: CacheClosedError,
+    # not the ledger's "unknown read" InvalidInputError.
+    cache = small_cache(inline_write_bytes=0)
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+    cache.materialize(cache.save(torch.ones(8, 2), {}, StepBatch(["a"], [8], np.arange(8))), ["a"])
+    cache.flush()
+    cache.begin_step(StepEvents(new=[NewRequest("b", [0, 2], 4)], finished=["a"]))  # b hits a's first block
+    sid = cache.save(torch.ones(1, 2), {}, StepBatch(["b"], [1], np.array([8])))
+    take = cache._steps.take
+
+    def take_after_close(step_id, req_ids):
+        closer = threading.Thread(target=cache.close)
+        closer.start()
+        closer.join()
+        return take(step_id, req_ids)
+
+    cache._steps.take = take_after_close
+    with pytest.raises(CacheClosedError, match="the cache was closed before this step was taken"):
+        cache.materialize(sid, ["b"])
+    stats = cache.stats()
+    assert (stats.reads_pending, stats.tasks_live) == (0, 0), stats
+
+
+def test_a_close_racing_another_returns_once_the_cache_is_closed() -> None:
+    # The second caller used to return at once, the committer still writing and a page held.
+    cache = small_cache(inline_write_bytes=0)
+    writing, go_on = threading.Event(), threading.Event()
+    write_batch = cache._writer.write_batch
+
+    def gated_write(groups):
+        writing.set()
+        go_on.wait(10)
+        return write_batch(groups)
+
+    cache._writer.write_batch = gated_write
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+    cache.discard(cache.save(torch.ones(8, 2), {}, StepBatch(["a"], [8], np.arange(8))))
+    assert writing.wait(10)
+    first = threading.Thread(target=cache.close)
+    first.start()
+    seen: list = []
+    second = threading.Thread(target=lambda: (cache.close(), seen.append(cache.stats())))
+    second.start()
+    second.join(0.3)
+    assert second.is_alive(), "the second close waits for the first"
+    go_on.set()
+    second.join(10)
+    first.join(10)
+    (stats,) = seen
+    assert (stats.tasks_live, stats.staging_holders) == (0, [[], [], []]), stats

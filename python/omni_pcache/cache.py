@@ -168,6 +168,7 @@ class PrefixCache:
         self._requests_live = 0
         self._failure: WriteFailedError | None = None
         self._closed = False
+        self._close_lock = threading.Lock()
         # The committer reaches the cache only weakly, so a cache dropped without close() is
         # collected, and collecting it stops the committer (the finalizer; else at exit).
         self._committer = Committer(
@@ -208,25 +209,27 @@ class PrefixCache:
             raise self._failure
 
     def close(self) -> None:
-        """Writes what is queued, stops the committer and wakes every waiter. Idempotent.
+        """Writes what is queued, stops the committer and wakes every waiter. Idempotent: a
+        call racing another returns once that one has closed the cache.
         Deferred rows of live requests are not queued (they would be at their requests' finish,
         which the cache will not see now): their device clones are released and their write
         tasks failed and forgotten, so the device budget and ``tasks_live`` are back to zero.
         Steps not consumed yet cannot be after it; their staging pages are released."""
-        if self._closed:
-            return
-        self._closed = True
-        self._deferred.budget.close()  # a save waiting for device budget raises CacheClosedError
-        self._finalizer()  # stops the committer once
-        self._staging.close()
-        with self._cond:
-            # (their records stay in the write records: a read under way still serves their rows from
-            # the clones, which stay readable for it, instead of the pool's unwritten slots)
-            for task_id in self._deferred.drop_open():
-                self._tasks.fail(task_id)
-                self._tasks.remove(task_id)
-            self._steps.release_at_close()
-            self._cond.notify_all()
+        with self._close_lock:  # (a second caller returns once the first has closed the cache)
+            if self._closed:
+                return
+            self._closed = True
+            self._deferred.budget.close()  # a save waiting for device budget raises CacheClosedError
+            self._finalizer()  # stops the committer once
+            self._staging.close()
+            with self._cond:
+                # (their records stay in the write records: a read under way still serves their rows
+                # from the clones, which stay readable for it, instead of the pool's unwritten slots)
+                for task_id in self._deferred.drop_open():
+                    self._tasks.fail(task_id)
+                    self._tasks.remove(task_id)
+                self._steps.release_at_close()
+                self._cond.notify_all()
 
     def _notify_one(self) -> None:
         """One task was queued (a deferred record flushed to make device budget room)."""

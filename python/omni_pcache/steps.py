@@ -109,7 +109,8 @@ class StepPages:
         for a request that was not in the step (the id is then not consumed), `StepIdError` for
         a consumed or unknown id, or for an id whose save has not returned yet (issued, no
         record: another thread's save under way; not consumed, so that save's step stays
-        whole)."""
+        whole), and the failure or `CacheClosedError` once the cache failed or closed (a step
+        taken before still serves its rows)."""
         if isinstance(step_id, bool) or not isinstance(step_id, int):
             raise InvalidInputError(f"step_id must be an int, got {step_id!r}")
         if not 0 <= step_id < 2**64:  # (no step id is out of u64 range: never issued)
@@ -126,6 +127,8 @@ class StepPages:
             # cuts short does. A step taken before it keeps its reads (it is no longer listed).
             if (failure := self._failure()) is not None:
                 raise failure
+            if self._staging.closed:  # (close released the outstanding steps' reads: `release_at_close`)
+                raise self._closed_error("the cache was closed before this step was taken")
             now = self.records.get(step_id)
             if now is None and step_id in self.ids.outstanding():
                 err = StepIdError(f"step#{step_id} is not saved yet (its save has not returned); nothing was consumed")
