@@ -465,6 +465,7 @@ def test_save_and_materialize_under_inference_mode_hand_out_plain_tensors(width,
             cache.begin_step(StepEvents(new=[NewRequest("b", list(range(64)) + list(range(64, 128)), 256)]))
             second = cache.save(rows[256:], {"codes": torch.arange(256)}, StepBatch(["b"], [256], 256 + np.arange(256)))
             awaited = cache.materialize(second, ["b"])
+        cache.flush()  # (b's rows written: nothing in flight for the counters below)
         got = {"a": out["first"].hidden["a"], "b": awaited.hidden["b"]}
         assert torch.equal(got["a"], rows[:256]) and torch.equal(got["b"], torch.cat([rows[:256], rows[256:]]))
         for tensor in (*got.values(), out["first"].mm["codes"]["a"], awaited.mm["codes"]["b"]):
