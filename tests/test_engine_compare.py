@@ -125,3 +125,69 @@ def test_every_prefix_hash_row_depends_on_the_whole_prefix() -> None:
     hidden, proj = forward(tokens)
     other_hidden, other_proj = forward([6, *tokens[1:]])  # only token 0 differs
     assert ((hidden != other_hidden).any(1) & (proj != other_proj).any(1)).all()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "line"),
+    [
+        ("staging_holders", [[("step", 7)], []], "1 staging pages held"),
+        ("steps_outstanding", [7], "1 step ids outstanding"),
+        ("tasks_live", 2, "2 write tasks live"),
+        ("preserved_entries", 3, "3 preserved rows kept"),
+        ("reads_pending", 146, "146 hit reads pending"),
+        ("requests_live", 1, "1 requests live"),
+        ("device_bytes", 64, "64 device bytes held"),
+        ("deferred_open", 1, "1 deferred records open"),
+    ],
+)
+def test_a_cache_not_idle_at_the_end_fails_the_run(field, value, line) -> None:
+    # (the demo compares with `compare` alone: a leak of reads or pages made it print PASS)
+    cached, reference = runs()
+    cached.cache_stats = replace(cached.cache_stats, **{field: value})
+    result = compare(cached, reference, 0.0)
+    assert result.mismatches == [f"cache not idle at the end: {line}"]
+
+
+def test_rows_of_another_dtype_fail_the_run_even_when_equal_in_value() -> None:
+    cached, reference = runs()
+    out = next(o for o in cached.outputs.values() if o.proj[0].shape[0] > 0)
+    out.proj[0] = out.proj[0].double()  # (compared as doubles, the values are the same)
+    result = compare(cached, reference, 0.0)
+    assert len(result.mismatches) == 1 and "rows of torch.float32 / torch.float64" in result.mismatches[0]
+
+
+@pytest.mark.parametrize("scribble", [True, False])
+def test_returned_rows_that_share_the_caches_storage_fail_the_run(monkeypatch, scribble) -> None:
+    # The engine overwrites every row tensor it is handed (keeping a copy). A materialize that
+    # handed out views of the cache's own storage instead of copies (here: of the deferred
+    # key's device clone, which is written to the pool when its request finishes) then has
+    # later hits serve the overwritten rows; without the overwrite the run would pass.
+    from omni_pcache import outputs
+    from omni_pcache.deferred import Clone
+
+    clones: set[int] = set()  # the clones' storages
+    make_clone, copy = Clone.of, outputs.host_copy
+
+    def of(cls, rows, holders, budget):
+        clone = make_clone(rows, holders, budget)
+        clones.add(clone.tensor.untyped_storage().data_ptr())
+        return clone
+
+    monkeypatch.setattr(Clone, "of", classmethod(of))
+    monkeypatch.setattr(
+        outputs, "host_copy", lambda rows: rows if rows.untyped_storage().data_ptr() in clones else copy(rows)
+    )
+    monkeypatch.setattr(Engine, "verify_leftovers", scribble)
+    config = replace(CONFIG, deferred_proj=True)
+    cached = Engine(config).run(make_workload("chat", 30, config.seed))
+    reference = Engine(replace(config, enable_prefix_caching=False)).run(make_workload("chat", 30, config.seed))
+    result = compare(cached, reference, 0.0)
+    assert result.ok is not scribble, result.mismatches[:3]
+
+
+def test_steps_consumed_three_late_keep_three_ids_outstanding() -> None:
+    config = replace(CONFIG, consume_lag=3)
+    cached, _ = runs(config)
+    assert cached.cache_stats is not None and cached.cache_stats.steps_outstanding == []
+    with pytest.raises(ValueError, match="consume_lag must be from 1 to the cache's staging_depth - 1, got 4"):
+        Engine(replace(CONFIG, consume_lag=4))

@@ -72,6 +72,22 @@ SCENARIOS = [
         50,
         0.4,
     ),
+    # Each step id consumed three steps late (pipeline stages, a lagging output thread): reads
+    # of blocks reused meanwhile are served from the rows kept aside for them, steps apart.
+    (
+        "late-consumer",
+        EngineConfig(
+            num_blocks=20,
+            max_num_batched_tokens=128,
+            long_prefill_tokens=16,
+            consume_lag=3,
+            output_thread=True,
+            shuffle_batch=True,
+        ),
+        "mixed",
+        40,
+        0.0,
+    ),
 ]
 
 
@@ -87,18 +103,9 @@ def run_pair(config: EngineConfig, workload: str, num_requests: int, seed: int, 
 def check(config, workload, num_requests, seed, abort_rate):
     cached, reference = run_pair(config, workload, num_requests, seed, abort_rate)
     atol = 0.0 if config.model == "prefix-hash" else 1e-5
-    result = compare(cached, reference, atol)
+    result = compare(cached, reference, atol)  # (rows and leftovers, and the cache idle at the end)
     assert result.ok, "\n".join(result.mismatches[:10])
-    stats = cached.cache_stats
-    assert stats is not None
-    assert stats.staging_holders == [[]] * len(stats.staging_holders), "every staging page free at the end"
-    assert stats.steps_outstanding == []
-    assert stats.device_bytes == 0 and stats.deferred_open == 0, "device budget back to 0 bytes"
-    assert (stats.tasks_live, stats.preserved_entries, stats.reads_pending, stats.requests_live) == (0, 0, 0, 0), (
-        "every write landed, every preserved row and hit read consumed, every request forgotten"
-    )
-    assert all(out.leftover_off_host == 0 for out in cached.outputs.values()), "leftovers come back on the host"
-    assert all(out.leftover_wrong == 0 for out in cached.outputs.values()), "leftovers come back as the model made them"
+    assert cached.cache_stats is not None
     return cached, result
 
 

@@ -3,10 +3,12 @@
 For every request, the concatenation of the rows the cached run returned across its steps
 must equal the reference rows of its full sequence: the whole sequence for a finished
 request; for an aborted one, exactly the positions its saved steps covered (the reference
-runs every request to the end). Exact for the prefix-hash model, within a tolerance for the
-transformer. Every leftover returned must have equalled the model's and been on the host
-(counted by the engine when it verifies leftovers), and every request must have finished or
-been aborted (a run cut short at ``max_steps`` fails).
+runs every request to the end), in the reference's dtypes. Exact for the prefix-hash model,
+within a tolerance for the transformer. Every leftover returned must have equalled the model's
+and been on the host (counted by the engine when it verifies leftovers), every request must
+have finished or been aborted (a run cut short at ``max_steps`` fails), and the cache must be
+idle at the end: every write landed, every staging page, hit read, preserved row and device
+byte released, no step id outstanding and no request still live.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from omni_pcache.engine.engine import EngineResult
 from omni_pcache.engine.request import Status
+from omni_pcache.stats import CacheStats
 
 
 @dataclass
@@ -36,6 +39,8 @@ class Comparison:
 def compare(cached: EngineResult, reference: EngineResult, atol: float) -> Comparison:
     """Checks every request of ``cached`` against ``reference`` (see the module doc)."""
     result = Comparison()
+    if cached.cache_stats is not None:
+        result.mismatches.extend(not_idle(cached.cache_stats))
     for req_id, req in cached.requests.items():
         if req.status not in (Status.FINISHED, Status.ABORTED):
             result.mismatches.append(f"{req_id}: {req.status.value}, neither finished nor aborted (run cut short)")
@@ -66,6 +71,12 @@ def compare(cached: EngineResult, reference: EngineResult, atol: float) -> Compa
                 f"{req_id}: {hidden.shape[0]} hidden / {proj.shape[0]} proj rows vs {ref_hidden.shape[0]} reference"
             )
             continue
+        if (hidden.dtype, proj.dtype) != (ref_hidden.dtype, ref_proj.dtype):
+            result.mismatches.append(
+                f"{req_id}: rows of {hidden.dtype} / {proj.dtype}, "
+                f"the reference's {ref_hidden.dtype} / {ref_proj.dtype}"
+            )
+            continue
         n = hidden.shape[0]
         if n == 0:  # (an aborted request whose steps covered nothing: nothing to compare)
             result.requests_checked += 1
@@ -86,3 +97,18 @@ def compare(cached: EngineResult, reference: EngineResult, atol: float) -> Compa
         result.requests_checked += 1
         result.rows_checked += n
     return result
+
+
+def not_idle(stats: CacheStats) -> list[str]:
+    """What the cache still holds at a run's end, each as a mismatch line (none when idle)."""
+    held = {
+        "staging pages held": sum(len(holders) for holders in stats.staging_holders),
+        "step ids outstanding": len(stats.steps_outstanding),
+        "write tasks live": stats.tasks_live,
+        "preserved rows kept": stats.preserved_entries,
+        "hit reads pending": stats.reads_pending,
+        "requests live": stats.requests_live,
+        "device bytes held": stats.device_bytes,
+        "deferred records open": stats.deferred_open,
+    }
+    return [f"cache not idle at the end: {count} {what}" for what, count in held.items() if count]

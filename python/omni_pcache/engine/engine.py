@@ -2,8 +2,8 @@
 
 Each step: abort what is due, schedule, tell the cache (`begin_step`), run the model on the
 scheduled tokens only, `save` its outputs, and hand the *previous* step's id to the output
-path (`materialize` one step late, like vLLM's async scheduling; optionally on its own
-thread). With prefix caching off (the reference) no cache is used: every token is computed
+path (`materialize` one step late, like vLLM's async scheduling, or ``consume_lag`` steps late;
+optionally on its own thread). With prefix caching off (the reference) no cache is used: every token is computed
 and its rows are recorded by position.
 """
 
@@ -13,6 +13,7 @@ import queue
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -62,6 +63,10 @@ class EngineConfig:
     # Rows of a step in a random order of its requests, not the scheduler's (vLLM's input batch
     # condenses and reorders its rows).
     shuffle_batch: bool = False
+    # Steps saved after a step before its id goes to the output path: 1 materializes the step
+    # before (vLLM's async scheduling); more keep that many ids outstanding, as pipeline stages
+    # or a lagging output thread do (at most the cache's staging_depth - 1).
+    consume_lag: int = 1
 
 
 @dataclass
@@ -143,8 +148,11 @@ class Engine:
     """Runs a workload to completion. Not reusable: build one per run."""
 
     verify_leftovers = True
-    """Checks each returned leftover against the model's (a harness check on the engine and
-    output threads; benches/engine.py turns it off so it is not timed as cache overhead)."""
+    """Checks each returned leftover against the model's, and keeps a copy of each returned row
+    tensor, then overwrites the tensor it was handed (a harness check on the engine and output
+    threads: returned rows are the caller's to write, so a tensor that shares memory with the
+    cache's storage would corrupt later hits; benches/engine.py turns it off so it is not
+    timed as cache overhead)."""
 
     def __init__(self, config: EngineConfig, cache_config: CacheConfig | None = None) -> None:
         if config.model not in MODELS:
@@ -170,6 +178,10 @@ class Engine:
                 claim_timeout_s=60.0,
                 device_budget_bytes=config.device_budget_bytes,
             )
+            if not 1 <= config.consume_lag < cache_config.staging_depth:  # (else save waits for a page forever)
+                raise ValueError(
+                    f"consume_lag must be from 1 to the cache's staging_depth - 1, got {config.consume_lag}"
+                )
             deferred = frozenset({"proj"}) if config.deferred_proj else frozenset()
             self.cache = PrefixCache(cache_config, CachePolicy(token_keys=frozenset({"proj"}), deferred_keys=deferred))
         self.buffers: OutputBuffers | None = None
@@ -189,8 +201,11 @@ class Engine:
         with self._lock:
             for req_id in req_ids:
                 rec = self.outputs.setdefault(req_id, RequestOutput())
-                rec.hidden.append(out.hidden[req_id])
-                rec.proj.append(out.mm["proj"][req_id])
+                hidden, proj = out.hidden[req_id], out.mm["proj"][req_id]
+                if self.verify_leftovers:  # (the caller's to write: keep a copy, then scribble on it)
+                    hidden, proj = _kept_then_overwritten(hidden), _kept_then_overwritten(proj)
+                rec.hidden.append(hidden)
+                rec.proj.append(proj)
                 rec.leftover_seen += 1
                 if self.verify_leftovers:
                     leftover = out.mm["step_info"][req_id]
@@ -262,7 +277,7 @@ class Engine:
             inbox = queue.Queue()
             worker = threading.Thread(target=self._output_worker, args=(inbox,), name="engine-output")
             worker.start()
-        previous: tuple[int, list[str]] | None = None
+        saved: deque[tuple[int, list[str]]] = deque()  # step ids not yet handed to the output path
         tokens_computed = 0
         start = time.perf_counter()
         step = 0
@@ -312,9 +327,9 @@ class Engine:
                                     k: v.clone() if isinstance(v, torch.Tensor) else v
                                     for k, v in out.mm["step_info"].items()
                                 }
-                        if previous is not None:
-                            self._hand_off(previous, inbox)
-                        previous = (step_id, step_batch.req_ids)
+                        saved.append((step_id, step_batch.req_ids))
+                        if len(saved) > self.config.consume_lag:
+                            self._hand_off(saved.popleft(), inbox)
                     else:
                         self._record_reference(sched, out.hidden, out.mm["proj"])
                     self.scheduler.update(sched)
@@ -323,8 +338,8 @@ class Engine:
                     raise self._errors[0]
                 if progress is not None:
                     progress(sum(1 for r in requests if r.is_done), len(requests))
-            if previous is not None:
-                self._hand_off(previous, inbox)
+            while saved:
+                self._hand_off(saved.popleft(), inbox)
             last = self.scheduler.schedule(step)  # reports what finished in the last step
             if self.cache is not None and last.finished:
                 self.cache.begin_step(StepEvents(finished=last.finished))
@@ -368,6 +383,13 @@ class Engine:
             rec.hidden.append(torch.stack([rows[p][0] for p in positions]))
             rec.proj.append(torch.stack([rows[p][1] for p in positions]))
             self.outputs[req_id] = rec
+
+
+def _kept_then_overwritten(rows: torch.Tensor) -> torch.Tensor:
+    """A copy of ``rows``; ``rows`` itself is then overwritten (NaN, or -7 for integers)."""
+    kept = rows.clone()
+    rows.fill_(float("nan") if rows.is_floating_point() else -7)
+    return kept
 
 
 def _same_leftover(got: dict[str, object], want: dict[str, object]) -> bool:
