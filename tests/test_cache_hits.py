@@ -286,6 +286,27 @@ def test_a_late_read_of_a_block_reused_while_its_write_was_in_flight() -> None:
         expect(cache.materialize(sid, ["d"]), "d", [(3, 0, 4), (4, 4, 1)])
 
 
+def test_discarding_a_late_read_whose_old_tenant_was_in_flight_keeps_no_rows_aside() -> None:
+    # As above, but nobody reads b's hit: discarding its step drops its copy-on-write
+    # obligations, so a's write landing afterwards must not keep the rows aside again (kept,
+    # they would count against max_preserved_rows for good).
+    with small_cache(inline_write_bytes=0) as cache:
+        gate = hold_writes(cache)
+        step = run_step(
+            cache,
+            [NewRequest("a", [0, 1]), NewRequest("b", [0, 2], 4)],
+            reqs=[("a", [0, 1], 0, 6, 1), ("b", [0, 2], 4, 2, 2)],
+        )
+        reuse = run_step(cache, [NewRequest("c", [0])], finished=["a", "b"], reqs=[("c", [0], 0, 4, 3)])
+        cache.discard(step)
+        cache.discard(reuse)
+        assert cache.stats().preserved_entries == 0
+        gate.set()
+        cache.flush()
+        stats = cache.stats()
+        assert (stats.preserved_entries, stats.tasks_live, stats.reads_pending) == (0, 0, 0), stats
+
+
 def test_blocks_of_two_requests_of_one_step_reused_while_their_writes_are_in_flight() -> None:
     # As above, for two requests computing in one step (two write tasks of one step record):
     # each task keeps aside its own rows for its own reader, whatever batches the writes land in.
@@ -362,7 +383,11 @@ def test_a_late_read_is_served_only_if_every_row_it_lost_fit_the_preserved_bound
 def test_a_hit_on_rows_never_written_raises_instead_of_zeros() -> None:
     with small_cache() as cache:
         sid = run_step(cache, [NewRequest("b", [5, 6], 4)], reqs=[("b", [5, 6], 4, 2, 2)])
-        with pytest.raises(UnservableHitError, match=r"'b'.*4 were never written"):
+        # (block 5's slots 20..23, at offsets 0..3 of the span read)
+        never = (
+            r"'b'.*4 were never written \(first offsets into the span read \[0, 1, 2, 3\], slots \[20, 21, 22, 23\]\)"
+        )
+        with pytest.raises(UnservableHitError, match=never):
             cache.materialize(sid, ["b"])
 
 

@@ -434,6 +434,41 @@ def test_a_leftover_that_holds_itself_is_refused_and_holds_nothing() -> None:
         assert cache.materialize(sid, ["a"]).mm["meta"]["a"] == [1]
 
 
+def test_an_empty_leftover_in_a_step_without_tokens_does_not_become_a_key() -> None:
+    # (its dim 0 is the step's 0 tokens: taken for a per-token key, every later save passing
+    # the name as a leftover of another shape would be refused)
+    with small_cache() as cache:
+        cache.begin_step(StepEvents())
+        empty = StepBatch([], [], np.zeros(0, np.int64))
+        cache.discard(cache.save(torch.zeros(0, 2), {"scores": torch.zeros(0, 3)}, empty))
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        scores = torch.arange(5.0)  # one per-step leftover, not per token
+        sid = cache.save(torch.ones(4, 2), {"scores": scores}, StepBatch(["a"], [4], slots_of([0], 0, 4, BS)))
+        assert torch.equal(cache.materialize(sid, ["a"]).mm["scores"]["a"], scores)
+
+
+def test_a_key_whose_ledger_columns_fail_leaves_the_keys_before_it_unregistered() -> None:
+    # "a refused save registers none of its keys": hidden states registered first, then the
+    # mm key's columns fail; a corrected retry classifies the hidden states afresh.
+    with small_cache() as cache:
+        real, calls = cache._keys._add_key, []
+
+        def add_key():
+            calls.append(1)
+            if len(calls) == 2:
+                raise InvalidInputError("injected: no memory for the ledger columns")
+            return real()
+
+        cache._keys._add_key = add_key
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        batch = StepBatch(["a"], [4], slots_of([0], 0, 4, BS))
+        with pytest.raises(InvalidInputError, match=r"feat.*injected: no memory for the ledger columns"):
+            cache.save(torch.zeros(4, 2), {"feat": torch.zeros(4, 3)}, batch)
+        hidden = torch.arange(12.0).reshape(4, 3)  # (another width than the refused step's)
+        out = cache.materialize(cache.save(hidden, {"feat": torch.zeros(4, 3)}, batch), ["a"])
+        assert torch.equal(out.hidden["a"], hidden)
+
+
 def test_a_step_without_tokens_classifies_nothing() -> None:
     # A step with no scheduled tokens (every mm entry then looks like a leftover) must not
     # remember its names as leftover: a later step's per-token "codes" is still cached.

@@ -182,6 +182,7 @@ def test_materialize_refuses_a_bare_str_unhashable_and_duplicate_ids_and_consume
             r"num_scheduled_tokens must be host ints \(no device sync\), got a meta tensor",
         ),
         (StepBatch(["a"], [2], np.arange(2), 1), "num_tokens_padded must be an int >= 2"),
+        (StepBatch(["a"], [1], np.arange(1), True), "num_tokens_padded must be an int >= 1, got True"),  # (not 1)
         (StepBatch(["a"], [True], np.arange(2)), "num_scheduled_tokens of 'a' must be an int >= 0, got True"),
         (StepBatch(["a"], [1.0], np.arange(2)), "num_scheduled_tokens of 'a' must be an int >= 0, got 1.0"),
         (StepBatch(["a"], [2**70], np.arange(2)), "num_scheduled_tokens of 'a' is 1180591620717411303424: more tokens"),

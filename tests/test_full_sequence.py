@@ -97,6 +97,20 @@ def test_the_budget_flushes_the_oldest_deferred_request_first() -> None:
         check(cache.materialize(step, ["e"]), "e", (1, 0, 4), (5, 4, 1))
 
 
+def test_room_for_a_step_flushes_every_request_holding_a_shared_clone() -> None:
+    step_bytes = 4 * 2 * 8  # 4 rows of int64 (2,)
+    # a and b computed in one step share one clone (2 step_bytes): flushing a alone frees
+    # nothing, so making room for c flushes b too instead of waiting for a room that never comes.
+    budget = 2 * step_bytes + step_bytes // 2
+    with small_cache(policy=DEFERRED, device_budget_bytes=budget, claim_timeout_s=1) as cache:
+        new = [NewRequest("a", [0]), NewRequest("b", [1])]
+        cache.discard(save(cache, [("a", [0], 0, 4, 1), ("b", [1], 0, 4, 2)], new=new))
+        cache.discard(save(cache, [("c", [2], 0, 4, 3)], new=[NewRequest("c", [2])]))
+        cache.flush()
+        stats = cache.stats()
+        assert stats.device_bytes == step_bytes and stats.bytes_written["codes"] == 2 * step_bytes, stats
+
+
 def test_the_budget_at_its_exact_bound_neither_waits_nor_flushes_more_than_it_must() -> None:
     step_bytes = 4 * 2 * 8  # 4 rows of int64 (2,)
     with small_cache(policy=DEFERRED, device_budget_bytes=2 * step_bytes) as cache:
