@@ -12,6 +12,7 @@ import torch
 
 from omni_pcache.engine import Engine, EngineConfig, make_workload
 from omni_pcache.engine.compare import compare
+from omni_pcache.engine.engine import ROW_INFO
 from omni_pcache.engine.model import ForwardBatch, PrefixHashModel
 from omni_pcache.engine.request import Status
 
@@ -108,6 +109,31 @@ def test_a_leftover_unequal_to_the_models_is_counted_and_fails_the_run(alter) ->
     cached = engine.run(make_workload("chat", 30, CONFIG.seed))
     reference = Engine(replace(CONFIG, enable_prefix_caching=False)).run(make_workload("chat", 30, CONFIG.seed))
     assert all(o.leftover_wrong == o.leftover_seen > 0 for o in cached.outputs.values())
+    assert not compare(cached, reference, 0.0).ok
+
+
+@pytest.mark.parametrize(
+    "alter",
+    [lambda rows: rows + 1, lambda rows: rows[1:], lambda rows: torch.cat([rows, rows[-1:] + 1])],
+    ids=["shifted", "short", "long"],
+)
+def test_a_per_row_leftover_not_ending_with_the_returned_positions_fails_the_run(alter) -> None:
+    # The engine's per-row leftover (each row's position) must hold exactly this step's rows
+    # the cached keys returned: the positions the request's returned rows end with.
+    engine = Engine(CONFIG)
+    materialize = engine.cache.materialize
+
+    def altered(step_id, req_ids):
+        out = materialize(step_id, req_ids)
+        for req_id in req_ids:
+            rows = out.mm[ROW_INFO][req_id]
+            out.mm[ROW_INFO][req_id] = alter(rows) if rows.shape[0] else rows
+        return out
+
+    engine.cache.materialize = altered
+    cached = engine.run(make_workload("chat", 30, CONFIG.seed))
+    reference = Engine(replace(CONFIG, enable_prefix_caching=False)).run(make_workload("chat", 30, CONFIG.seed))
+    assert any(o.leftover_wrong for o in cached.outputs.values())
     assert not compare(cached, reference, 0.0).ok
 
 

@@ -30,6 +30,9 @@ from omni_pcache.events import NewRequest, ResumedRequest, StepBatch, StepEvents
 from omni_pcache.stats import CacheStats
 
 MODELS = ("transformer", "prefix-hash")
+ROW_INFO = "row_info"
+"""A per-row leftover the engine adds when it verifies leftovers: each row's position (a
+resumed request's rows its consumer already has must be left out of it, as of the keys)."""
 
 
 class EngineCapacityError(RuntimeError):
@@ -78,6 +81,7 @@ class RequestOutput:
     leftover_seen: int = 0
     leftover_off_host: int = 0  # returned leftovers holding a tensor not on the host
     leftover_wrong: int = 0  # returned leftovers unequal to what the model produced that step
+    delivered: int = 0  # rows returned so far (the per-row leftover check's position)
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.cat(self.hidden), torch.cat(self.proj)
@@ -190,6 +194,7 @@ class Engine:
         self.outputs: dict[str, RequestOutput] = {}
         self._reference_rows: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._leftovers: dict[int, dict[str, object]] = {}  # step id -> a host copy of the model's step_info
+        self._row_starts: dict[int, dict[str, int]] = {}  # step id -> each request's first position in it
         self._lock = threading.Lock()
         self._errors: list[BaseException] = []
 
@@ -208,12 +213,20 @@ class Engine:
                 rec.proj.append(proj)
                 rec.leftover_seen += 1
                 if self.verify_leftovers:
+                    # The per-row leftover holds this step's rows the cached keys returned: from
+                    # the step's first position, or the first not returned before, to the end.
+                    start, end = rec.delivered, rec.delivered + hidden.shape[0]
+                    rec.delivered = end
+                    expected = torch.arange(max(start, self._row_starts[step_id][req_id]), end)
+                    rec.leftover_wrong += not torch.equal(out.mm[ROW_INFO][req_id], expected)
+                if self.verify_leftovers:
                     leftover = out.mm["step_info"][req_id]
                     rec.leftover_off_host += any(
                         isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in leftover.values()
                     )
                     rec.leftover_wrong += not _same_leftover(leftover, self._leftovers[step_id])
             self._leftovers.pop(step_id, None)
+            self._row_starts.pop(step_id, None)
 
     def _output_worker(self, inbox: queue.Queue) -> None:
         while (item := inbox.get()) is not None:
@@ -252,7 +265,8 @@ class Engine:
         starts = np.cumsum([0] + [count for _, count in scheduled])
         index = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in order])
         rows = torch.from_numpy(index)
-        return [scheduled[i] for i in order], hidden[rows], {**mm, "proj": mm["proj"][rows]}, slots[index]
+        per_row = {k: v[rows] for k, v in mm.items() if k in ("proj", ROW_INFO)}
+        return [scheduled[i] for i in order], hidden[rows], {**mm, **per_row}, slots[index]
 
     def _record_reference(self, sched: ScheduledStep, hidden: torch.Tensor, proj: torch.Tensor) -> None:
         row = 0
@@ -311,11 +325,16 @@ class Engine:
                     tokens_computed += sched.num_tokens
                     if self.cache is not None:
                         scheduled, hidden, mm, slots = sched.scheduled, out.hidden, out.mm, batch.slot_mapping
+                        if self.verify_leftovers:  # (a per-row leftover: each row's position)
+                            mm = {**mm, ROW_INFO: batch.positions.clone()}
                         padded = None
                         if self.config.shuffle_batch and len(scheduled) > 1:
                             scheduled, hidden, mm, slots = self._shuffled(scheduled, hidden, mm, slots)
                         if self.buffers is not None:
+                            row_info = mm.get(ROW_INFO)
                             hidden, mm, padded, slots = self.buffers.fill(hidden, mm["proj"], mm["step_info"], slots)
+                            if row_info is not None:
+                                mm[ROW_INFO] = row_info
                         req_ids, counts = [r.req_id for r, _ in scheduled], [n for _, n in scheduled]
                         step_batch = StepBatch(req_ids, counts, slots, padded)
                         step_id = self.cache.save(hidden, mm, step_batch)
@@ -323,6 +342,7 @@ class Engine:
                             req.saved_upto = max(req.saved_upto, req.num_computed + count)
                         if self.verify_leftovers:
                             with self._lock:
+                                self._row_starts[step_id] = {req.req_id: req.num_computed for req, _ in sched.scheduled}
                                 self._leftovers[step_id] = {
                                     k: v.clone() if isinstance(v, torch.Tensor) else v
                                     for k, v in out.mm["step_info"].items()
