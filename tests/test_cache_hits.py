@@ -266,18 +266,25 @@ def test_a_late_read_keeps_its_preserved_rows_while_another_thread_consumes_the_
         assert cache.stats().preserved_entries == 0, "dropped once the late read was done"
 
 
+def reused_while_in_flight(cache):
+    """b hits block 0 while a computes it (one step); c reuses block 0 at the next, a's write
+    still held back. Returns the writes' gate and both step ids."""
+    gate = hold_writes(cache)
+    step = run_step(
+        cache,
+        [NewRequest("a", [0, 1]), NewRequest("b", [0, 2], 4)],
+        reqs=[("a", [0, 1], 0, 6, 1), ("b", [0, 2], 4, 2, 2)],
+    )
+    reuse = run_step(cache, [NewRequest("c", [0])], finished=["a", "b"], reqs=[("c", [0], 0, 4, 3)])
+    return gate, step, reuse
+
+
 def test_a_late_read_of_a_block_reused_while_its_write_was_in_flight() -> None:
     # b hits block 0 while a is computing it (same step); block 0 is reused by c before a's
     # write lands. a skips the stolen slots, so b's preserved copy must come from a's staging
     # rows, and c's rows must win in the pool.
     with small_cache(inline_write_bytes=0) as cache:
-        gate = hold_writes(cache)
-        step = run_step(
-            cache,
-            [NewRequest("a", [0, 1]), NewRequest("b", [0, 2], 4)],
-            reqs=[("a", [0, 1], 0, 6, 1), ("b", [0, 2], 4, 2, 2)],
-        )
-        reuse = run_step(cache, [NewRequest("c", [0])], finished=["a", "b"], reqs=[("c", [0], 0, 4, 3)])
+        gate, step, reuse = reused_while_in_flight(cache)
         gate.set()
         expect(cache.materialize(step, ["b"]), "b", [(1, 0, 4), (2, 4, 2)])
         assert cache.stats().rows_preserved == 8
@@ -291,13 +298,7 @@ def test_discarding_a_late_read_whose_old_tenant_was_in_flight_keeps_no_rows_asi
     # obligations, so a's write landing afterwards must not keep the rows aside again (kept,
     # they would count against max_preserved_rows for good).
     with small_cache(inline_write_bytes=0) as cache:
-        gate = hold_writes(cache)
-        step = run_step(
-            cache,
-            [NewRequest("a", [0, 1]), NewRequest("b", [0, 2], 4)],
-            reqs=[("a", [0, 1], 0, 6, 1), ("b", [0, 2], 4, 2, 2)],
-        )
-        reuse = run_step(cache, [NewRequest("c", [0])], finished=["a", "b"], reqs=[("c", [0], 0, 4, 3)])
+        gate, step, reuse = reused_while_in_flight(cache)
         cache.discard(step)
         cache.discard(reuse)
         assert cache.stats().preserved_entries == 0

@@ -86,6 +86,24 @@ def test_rows_checked_counts_every_row_of_every_request() -> None:
     assert result.rows_checked == want > 0
 
 
+def runs_with_altered_leftover(name: str, alter):
+    """A cached run whose materialize hands each request ``alter(value)`` for leftover
+    ``name``, and its reference."""
+    engine = Engine(CONFIG)
+    materialize = engine.cache.materialize
+
+    def altered(step_id, req_ids):
+        out = materialize(step_id, req_ids)
+        for req_id in req_ids:
+            out.mm[name][req_id] = alter(out.mm[name][req_id])
+        return out
+
+    engine.cache.materialize = altered
+    cached = engine.run(make_workload("chat", 30, CONFIG.seed))
+    reference = Engine(replace(CONFIG, enable_prefix_caching=False)).run(make_workload("chat", 30, CONFIG.seed))
+    return cached, reference
+
+
 @pytest.mark.parametrize(
     "alter",
     [
@@ -96,18 +114,7 @@ def test_rows_checked_counts_every_row_of_every_request() -> None:
     ids=["tensor", "value", "missing"],
 )
 def test_a_leftover_unequal_to_the_models_is_counted_and_fails_the_run(alter) -> None:
-    engine = Engine(CONFIG)
-    materialize = engine.cache.materialize
-
-    def altered(step_id, req_ids):
-        out = materialize(step_id, req_ids)
-        for req_id in req_ids:
-            out.mm["step_info"][req_id] = alter(out.mm["step_info"][req_id])
-        return out
-
-    engine.cache.materialize = altered
-    cached = engine.run(make_workload("chat", 30, CONFIG.seed))
-    reference = Engine(replace(CONFIG, enable_prefix_caching=False)).run(make_workload("chat", 30, CONFIG.seed))
+    cached, reference = runs_with_altered_leftover("step_info", alter)
     assert all(o.leftover_wrong == o.leftover_seen > 0 for o in cached.outputs.values())
     assert not compare(cached, reference, 0.0).ok
 
@@ -120,19 +127,7 @@ def test_a_leftover_unequal_to_the_models_is_counted_and_fails_the_run(alter) ->
 def test_a_per_row_leftover_not_ending_with_the_returned_positions_fails_the_run(alter) -> None:
     # The engine's per-row leftover (each row's position) must hold exactly this step's rows
     # the cached keys returned: the positions the request's returned rows end with.
-    engine = Engine(CONFIG)
-    materialize = engine.cache.materialize
-
-    def altered(step_id, req_ids):
-        out = materialize(step_id, req_ids)
-        for req_id in req_ids:
-            rows = out.mm[ROW_INFO][req_id]
-            out.mm[ROW_INFO][req_id] = alter(rows) if rows.shape[0] else rows
-        return out
-
-    engine.cache.materialize = altered
-    cached = engine.run(make_workload("chat", 30, CONFIG.seed))
-    reference = Engine(replace(CONFIG, enable_prefix_caching=False)).run(make_workload("chat", 30, CONFIG.seed))
+    cached, reference = runs_with_altered_leftover(ROW_INFO, lambda rows: alter(rows) if rows.shape[0] else rows)
     assert any(o.leftover_wrong for o in cached.outputs.values())
     assert not compare(cached, reference, 0.0).ok
 
