@@ -764,3 +764,23 @@ def test_a_close_racing_another_returns_once_the_cache_is_closed() -> None:
     first.join(10)
     (stats,) = seen
     assert (stats.tasks_live, stats.staging_holders) == (0, [[], [], []]), stats
+
+
+def test_a_close_nested_on_the_closing_thread_returns_at_once() -> None:
+    # (a signal handler or finalizer that closes the cache while close runs on that thread:
+    # with a plain lock the nested call waited for itself)
+    cache = small_cache()
+    close_budget = cache._deferred.budget.close
+    nested: list[str] = []
+
+    def budget_close():
+        cache.close()  # nested: returns at once, the cache being closed by the outer call
+        nested.append("returned")
+        close_budget()
+
+    cache._deferred.budget.close = budget_close
+    closer = threading.Thread(target=cache.close)
+    closer.start()
+    closer.join(10)
+    assert not closer.is_alive() and nested == ["returned"]
+    assert cache.stats().tasks_live == 0

@@ -529,6 +529,38 @@ def test_container_subclasses_in_a_leftover_come_back_as_their_own_types() -> No
         assert torch.equal(copied, torch.arange(3.0))
 
 
+class Spread(tuple):
+    """A tuple subclass whose constructor takes its items as arguments (not an iterable)."""
+
+    def __new__(cls, *items):
+        return super().__new__(cls, items)
+
+
+class Tagged(dict):
+    """A dict subclass carrying an attribute of its own."""
+
+
+def test_container_subclasses_that_cannot_be_rebuilt_faithfully_come_back_plain() -> None:
+    # A constructor of another signature would wrap the copies (Spread((a, b)) is one item),
+    # and a shallow copy of an instance with attributes would share them with the caller, whose
+    # tensors are overwritten after save: both come back as plain containers of copies.
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        t = torch.arange(3.0)
+        tagged = Tagged(x=t)
+        tagged.extra = t
+        sid = cache.save(
+            torch.ones(4, 2),
+            {"meta": {"spread": Spread(t, 2), "tagged": tagged}},
+            StepBatch(["a"], [4], slots_of([0], 0, 4, BS)),
+        )
+        t.fill_(9.0)
+        got = cache.materialize(sid, ["a"]).mm["meta"]["a"]
+    assert type(got["spread"]) is tuple and len(got["spread"]) == 2 and got["spread"][1] == 2
+    assert torch.equal(got["spread"][0], torch.arange(3.0))
+    assert type(got["tagged"]) is dict and torch.equal(got["tagged"]["x"], torch.arange(3.0))
+
+
 Pair = namedtuple("Pair", ["first", "second"])
 
 

@@ -168,7 +168,7 @@ class PrefixCache:
         self._requests_live = 0
         self._failure: WriteFailedError | None = None
         self._closed = False
-        self._close_lock = threading.Lock()
+        self._close_lock = threading.RLock()  # (a close nested on the closing thread returns at once)
         # The committer reaches the cache only weakly, so a cache dropped without close() is
         # collected, and collecting it stops the committer (the finalizer; else at exit).
         self._committer = Committer(

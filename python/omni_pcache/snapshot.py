@@ -54,9 +54,12 @@ def _copied(value: Any, engine: StepCopy, name: str) -> Any:
         if type(value) is tuple:
             return tuple(entries)
         try:  # (a namedtuple takes its fields as arguments, another subclass an iterable)
-            return type(value)(*entries) if hasattr(value, "_fields") else type(value)(entries)
+            out = type(value)(*entries) if hasattr(value, "_fields") else type(value)(entries)
         except Exception:
             return tuple(entries)
+        # (kept only if it holds exactly the copies: a constructor of another signature may wrap them)
+        same = len(out) == len(entries) and all(a is b for a, b in zip(out, entries, strict=True))
+        return out if same and not _has_attributes(out) else tuple(entries)
     if isinstance(value, np.ndarray):
         return value.copy()
     if isinstance(value, (int, float, bool, str, bytes, type(None))):
@@ -75,13 +78,22 @@ def _copied(value: Any, engine: StepCopy, name: str) -> Any:
 def _same_type(value: Any, fill: Any, plain: Any) -> Any:
     """A dict or list subclass rebuilt as its own type (an OrderedDict, a defaultdict with its
     factory): a shallow copy with its entries replaced by ``fill``; ``plain`` (the entries in a
-    dict or list) when the type cannot be copied that way."""
+    dict or list) when the type cannot be copied that way, or when the instance carries
+    attributes of its own (a shallow copy would share them with the caller, whose tensors may
+    be overwritten before materialize reads them)."""
+    if _has_attributes(value):
+        return plain
     try:
         out = copy.copy(value)
         fill(out)
     except Exception:
         return plain
     return out
+
+
+def _has_attributes(value: Any) -> bool:
+    """Whether ``value`` has instance attributes (a non-empty ``__dict__``)."""
+    return bool(getattr(value, "__dict__", None))
 
 
 def is_per_row(value: Any, n: int, n_padded: int) -> bool:

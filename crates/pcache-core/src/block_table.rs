@@ -62,11 +62,13 @@ fn first_repeat(slots: &[i64], num_slots: u32) -> Option<(usize, usize)> {
     SEEN.with(|seen| {
         let mut seen = seen.borrow_mut();
         if seen.len() < words {
-            let more = words - seen.len();
-            if seen.try_reserve_exact(more).is_err() {
+            // (all zero between calls: replaced by fresh zero pages, touched only where used)
+            let mut probe: Vec<u64> = Vec::new();
+            if probe.try_reserve_exact(words).is_err() {
                 return first_repeat_sorted(slots);
             }
-            seen.resize(words, 0);
+            drop(probe);
+            *seen = vec![0; words];
         }
         let mut found = None;
         let mut scanned = slots.len();
