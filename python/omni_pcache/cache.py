@@ -21,17 +21,17 @@ variable.
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from omni_pcache import copy_engine
 from omni_pcache._native import Deliveries, Ledger, StagingSlots, WriteTasks
+from omni_pcache.call_wrappers import outside_inference_mode, weakly
 from omni_pcache.claims import StepClaims
 from omni_pcache.committer import Committer
 from omni_pcache.config import CacheConfig, CachePolicy
@@ -58,42 +58,9 @@ from omni_pcache.row_arrays import own_copies
 from omni_pcache.snapshot import snapshot
 from omni_pcache.stats import CacheStats, Counters
 from omni_pcache.steps import StepPages
-from omni_pcache.validation import as_id_map, as_list, check_batch, check_timeout
+from omni_pcache.validation import as_id_map, as_list, check_batch, check_step_id, check_timeout
 from omni_pcache.write_records import WriteRecords
 from omni_pcache.writes import PoolWriter
-
-
-def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method`` called through a weak reference to its object (returning what it returns); a
-    no-op returning None once that is gone. What the cache's parts and its committer thread
-    hold of the cache: no part refers back to it strongly, so a cache nobody holds is freed at
-    once (its pool, pages and device clones with it), not at the next cyclic collection."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args: Any) -> Any:
-        bound = ref()
-        return None if bound is None else bound(*args)
-
-    return call
-
-
-def _outside_inference_mode(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method`` run with torch's inference mode off when the caller has it on (vLLM runs
-    ``execute_model`` under ``torch.inference_mode()``): every tensor the cache makes there
-    outlives the call or crosses threads — staging pages and the pool (allocated at a key's
-    first save), which the committer thread writes in place, and the copies materialize hands
-    out, which the caller may write anywhere — and an inference tensor can be written in
-    place only inside inference mode, on the thread that has it on. The caller's tensors are
-    only read (allowed outside it)."""
-
-    @functools.wraps(method)
-    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if torch.is_inference_mode_enabled():
-            with torch.inference_mode(False):
-                return method(self, *args, **kwargs)
-        return method(self, *args, **kwargs)
-
-    return call
 
 
 class PrefixCache:
@@ -121,7 +88,7 @@ class PrefixCache:
         )
         self._storage = KeyStorage(self._pool, self._pages, self._writer.bytes_written)
         self._counters = Counters()
-        failure_or_none = _weakly(self._failure_or_none)
+        failure_or_none = weakly(self._failure_or_none)
         self._records = WriteRecords(self._tasks, self._cond, failure_or_none, self._counters.waited)
         self._reader = HitReader(
             self._ledger,
@@ -139,14 +106,14 @@ class PrefixCache:
             self._preserved,
             self._cond,
             self._counters.waited,
-            _weakly(self._closed_error),
+            weakly(self._closed_error),
             failure_or_none,
         )
         self._outputs = OutputBuilder(self._reader, self._copies, self._counters, config.claim_timeout_s)
         self._deferred = DeferredWrites(
             config,
             self._tasks,
-            _weakly(self._notify_one),
+            weakly(self._notify_one),
             self._counters.waited,
             failure_or_none,
             self._cond,
@@ -172,7 +139,7 @@ class PrefixCache:
         # The committer reaches the cache only weakly, so a cache dropped without close() is
         # collected, and collecting it stops the committer (the finalizer; else at exit).
         self._committer = Committer(
-            self._tasks, _weakly(self._write_tasks), _weakly(self._on_write_failure), config.threaded
+            self._tasks, weakly(self._write_tasks), weakly(self._on_write_failure), config.threaded
         )
         self._finalizer = weakref.finalize(self, self._committer.stop, config.claim_timeout_s)
 
@@ -299,7 +266,7 @@ class PrefixCache:
         still being copied from it. The saved tensors are the caller's again after it."""
         self._copies.fence()
 
-    @_outside_inference_mode
+    @outside_inference_mode
     def save(self, hidden: torch.Tensor | None, mm: dict[str, Any] | None, batch: StepBatch) -> int:
         """Saves one step's outputs and returns its step id (engine thread, after the forward).
 
@@ -520,7 +487,7 @@ class PrefixCache:
 
     # ---- any thread: materialize, discard ----------------------------------------------
 
-    @_outside_inference_mode
+    @outside_inference_mode
     def materialize(self, step_id: int, req_ids: Sequence[str]) -> StepOutputs:
         """Per-request outputs of step ``step_id`` (any thread, exactly once per step id).
 
@@ -552,8 +519,8 @@ class PrefixCache:
         yet (any thread; a snapshot, no lock: one dict lookup). The vLLM adapter reads it to
         tell an output still in flight at a reset from one the scheduler already has. Raises
         `InvalidInputError` for an id that is not an int."""
-        if type(step_id) is not int and (isinstance(step_id, bool) or not isinstance(step_id, int)):
-            raise InvalidInputError(f"step_id must be an int, got {step_id!r}")
+        if type(step_id) is not int:  # (the usual id needs no more look)
+            check_step_id(step_id)
         return step_id in self._steps.records
 
     # ---- stats -------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from omni_pcache.errors import CacheClosedError, InvalidInputError, PrefixCacheE
 from omni_pcache.outputs import StepRecord
 from omni_pcache.preserve import PreservedRows
 from omni_pcache.reads import HitReader
+from omni_pcache.validation import check_step_id
 
 _STEP_ID_BASES = itertools.count()
 """Each cache issues step ids from its own 2**40-wide range: an id kept across a rebuild (a
@@ -111,8 +112,7 @@ class StepPages:
         record: another thread's save under way; not consumed, so that save's step stays
         whole), and the failure or `CacheClosedError` once the cache failed or closed (a step
         taken before still serves its rows)."""
-        if isinstance(step_id, bool) or not isinstance(step_id, int):
-            raise InvalidInputError(f"step_id must be an int, got {step_id!r}")
+        check_step_id(step_id)
         if not 0 <= step_id < 2**64:  # (no step id is out of u64 range: never issued)
             raise StepIdError(f"step#{step_id} was never issued; outstanding step ids: {self.ids.outstanding()}")
         record = self.records.get(step_id)

@@ -69,10 +69,19 @@ def check_timeout(timeout_s: object, what: str) -> None:
         raise InvalidInputError(f"{what} must be None or a finite number of seconds >= 0, got {timeout_s!r}")
 
 
-def _int(value: object, what: str, minimum: int = 0) -> int:
+def as_int(value: object, what: str, minimum: int = 0) -> int:
+    """``value`` as an int (a Python or numpy int, not a bool) >= ``minimum``; else
+    `InvalidInputError` naming ``what``."""
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
         raise InvalidInputError(f"{what} must be an int >= {minimum}, got {value!r}")
     return int(value)
+
+
+def check_step_id(step_id: object) -> None:
+    """Refuses a step id that is not a Python int (bools, floats and numpy ints included: never
+    read as the id they compare equal to) with `InvalidInputError`."""
+    if isinstance(step_id, bool) or not isinstance(step_id, int):
+        raise InvalidInputError(f"step_id must be an int, got {step_id!r}")
 
 
 def check_batch(batch: StepBatch, config: CacheConfig) -> BatchShape:
@@ -120,5 +129,5 @@ def check_batch(batch: StepBatch, config: CacheConfig) -> BatchShape:
             )
         checked = native_check_batch(req_ids, counts, mapping.astype(np.int64), *args)
     n, slots, rows, req_ids, starts, counts = checked
-    n_padded = n if batch.num_tokens_padded is None else _int(batch.num_tokens_padded, "num_tokens_padded", n)
+    n_padded = n if batch.num_tokens_padded is None else as_int(batch.num_tokens_padded, "num_tokens_padded", n)
     return BatchShape(n, n_padded, rows, slots, req_ids, starts, counts)

@@ -7,6 +7,7 @@
 use std::cell::RefCell;
 
 use crate::error::{Error, Result};
+use crate::slot_columns::filled;
 
 /// Position of the first id outside `[0, limit)`, if any (one pass, no allocation).
 fn first_out_of_range(ids: &[i64], limit: u32) -> Option<usize> {
@@ -63,12 +64,10 @@ fn first_repeat(slots: &[i64], num_slots: u32) -> Option<(usize, usize)> {
         let mut seen = seen.borrow_mut();
         if seen.len() < words {
             // (all zero between calls: replaced by fresh zero pages, touched only where used)
-            let mut probe: Vec<u64> = Vec::new();
-            if probe.try_reserve_exact(words).is_err() {
-                return first_repeat_sorted(slots);
+            match filled(words, 0u64) {
+                Some(bigger) => *seen = bigger,
+                None => return first_repeat_sorted(slots),
             }
-            drop(probe);
-            *seen = vec![0; words];
         }
         let mut found = None;
         let mut scanned = slots.len();

@@ -112,7 +112,7 @@ pub(crate) struct KeyColumns {
 /// first (`try_reserve_exact`, released at once), then made by `vec!`: for a zero `value`
 /// that is fresh zero pages the system maps only when touched (16M slots: ~16 µs, not the
 /// ~150 ms and 256 MiB of writing them out), for any other a fill.
-fn filled<T: Clone>(len: usize, value: T) -> Option<Vec<T>> {
+pub(crate) fn filled<T: Clone>(len: usize, value: T) -> Option<Vec<T>> {
     let mut probe: Vec<T> = Vec::new();
     probe.try_reserve_exact(len).ok()?;
     drop(probe);

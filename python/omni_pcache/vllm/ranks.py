@@ -11,28 +11,21 @@ dummy step id, ``materialize`` returns empty `StepOutputs` (``hidden=None``, ``m
 from __future__ import annotations
 
 import itertools
-import numbers
 from collections.abc import Sequence
 from typing import Any
 
 from omni_pcache.cache import PrefixCache
 from omni_pcache.config import CacheConfig, CachePolicy
-from omni_pcache.errors import InvalidInputError
 from omni_pcache.events import StepBatch, StepEvents, StepOutputs
 from omni_pcache.stats import CacheStats
+from omni_pcache.validation import as_int
 
 
 def is_output_rank(*, is_last_pipeline_stage: bool, tensor_parallel_rank: int) -> bool:
     """Whether this rank produces outputs: the last pipeline stage's tensor-parallel rank 0
     (vLLM: ``get_pp_group().is_last_rank`` and ``get_tp_group().rank_in_group == 0``). Raises
     `InvalidInputError` for a rank that is not an int >= 0."""
-    if (
-        isinstance(tensor_parallel_rank, bool)
-        or not isinstance(tensor_parallel_rank, numbers.Integral)
-        or tensor_parallel_rank < 0
-    ):
-        raise InvalidInputError(f"tensor_parallel_rank must be an int >= 0, got {tensor_parallel_rank!r}")
-    return bool(is_last_pipeline_stage) and int(tensor_parallel_rank) == 0
+    return bool(is_last_pipeline_stage) and as_int(tensor_parallel_rank, "tensor_parallel_rank") == 0
 
 
 class NoOpCache:

@@ -50,12 +50,12 @@ step's events, so a refused step leaves the tracker as it was. Engine thread onl
 
 from __future__ import annotations
 
-import numbers
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from omni_pcache.errors import ConfigError, InvalidInputError
+from omni_pcache.validation import as_int
 
 
 def _group0(block_ids: Any, req_id: str) -> list[int] | None:
@@ -153,12 +153,7 @@ class BlockTracker:
         has taken (`gate.steps_in_flight`: vLLM's ``max_concurrent_batches``); at 1 (the default)
         no output is ever in flight, so none is dropped. Raises `InvalidInputError` for one
         that is not an int >= 1."""
-        if (
-            isinstance(steps_in_flight, bool)
-            or not isinstance(steps_in_flight, numbers.Integral)
-            or steps_in_flight < 1
-        ):
-            raise InvalidInputError(f"steps_in_flight must be an int >= 1, got {steps_in_flight!r}")
+        steps_in_flight = as_int(steps_in_flight, "steps_in_flight", 1)
         self._blocks: dict[str, list[int] | None] = {}  # None: preempted, blocks freed
         # The last update's new requests that were live and not preempted: a streaming-input
         # session's next chunk (vLLM rewinds such a request to the rows its consumer got).
@@ -168,7 +163,7 @@ class BlockTracker:
         self.dropped_saves: dict[str, int] = {}
         # The SchedulerOutputs that may be in flight at the next update, oldest first, each with
         # the id of the step saved for it (`saved`; None: none yet).
-        self._recent: deque[list[Any]] = deque(maxlen=int(steps_in_flight) - 1)
+        self._recent: deque[list[Any]] = deque(maxlen=steps_in_flight - 1)
         # Preempted requests' spans (start, end, step id) in the SchedulerOutputs that may have
         # been in flight at their preemption, oldest first, and how many of the latest were
         # certainly dropped.

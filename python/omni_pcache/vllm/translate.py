@@ -24,6 +24,7 @@ import numpy as np
 
 from omni_pcache.errors import InvalidInputError
 from omni_pcache.events import NewRequest, ResumedRequest, StepBatch, StepEvents
+from omni_pcache.validation import as_int
 from omni_pcache.vllm.tracker import BlockTracker, resumed_ids
 
 
@@ -82,8 +83,7 @@ def slot_mapping(
     request whatever its length. Raises `InvalidInputError` for a negative start, a list too
     short for its positions, an entry that is not a block id, arguments of unequal lengths, a
     negative count or a block size under 1."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int | np.integer) or block_size < 1:
-        raise InvalidInputError(f"block_size must be an int >= 1, got {block_size!r}")
+    block_size = as_int(block_size, "block_size", 1)
     starts = np.asarray(starts, dtype=np.int64)
     counts = np.asarray(counts, dtype=np.int64)
     if not len(block_lists) == len(starts) == len(counts):  # (else the extra entries would be ignored)
