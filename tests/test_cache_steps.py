@@ -105,7 +105,8 @@ def test_a_save_waiting_for_a_page_cut_short_by_close_leaves_no_step_id_outstand
     waiter.join(10)
     assert not waiter.is_alive() and [type(exc) for exc in errors] == [CacheClosedError], errors
     stats = cache.stats()
-    assert stats.steps_outstanding == [first], "the refused save issued no step id"
+    assert stats.steps_outstanding == [], "the refused save issued no step id (and close consumed the first's)"
+    assert not cache.awaited(first)
     assert not any(stats.staging_holders), "close released the unconsumed step's page"
 
 
@@ -607,8 +608,31 @@ def test_close_releases_the_hit_reads_of_steps_never_consumed() -> None:
     cache.begin_step(StepEvents(new=[NewRequest("b", [0, 2], 4)]))  # b hits a's first block
     sid = cache.save(torch.ones(1, 2), {}, StepBatch(["b"], [1], np.array([8])))
     assert cache.stats().reads_pending == 1
+    assert cache.awaited(sid) and cache.stats().steps_outstanding == [sid]
     cache.close()
     stats = cache.stats()
     assert (stats.reads_pending, stats.staging_holders) == (0, [[], [], []]), stats
+    # (nothing can consume it after close: its id is consumed, so no check reports it as held)
+    assert (stats.steps_outstanding, cache.awaited(sid)) == ([], False), stats
     with pytest.raises(CacheClosedError):
         cache.materialize(sid, ["b"])
+
+
+def test_a_save_that_close_overtakes_after_its_claims_records_no_step() -> None:
+    # close() lands (here: on the same thread, as another thread's would) after the save's
+    # claims: its rows are still written, but its step is not recorded, as nothing can take it.
+    cache = small_cache(inline_write_bytes=0)
+    keep_aside = cache._claims.keep_aside
+
+    def close_then_keep_aside(*args):
+        cache.close()
+        return keep_aside(*args)
+
+    cache._claims.keep_aside = close_then_keep_aside
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+    sid = cache.save(torch.ones(8, 2), {}, StepBatch(["a"], [8], np.arange(8)))
+    stats = cache.stats()
+    assert (stats.steps_outstanding, cache.awaited(sid), stats.tasks_live) == ([], False, 0), stats
+    assert stats.bytes_written == {"hidden": 8 * 2 * 4}, "close writes what is queued"
+    with pytest.raises(CacheClosedError):
+        cache.materialize(sid, ["a"])

@@ -374,12 +374,12 @@ class PrefixCache:
             # not plan reads or hold its id; save raises it, unless it is this save's own write's,
             # raised by the next call)
             failure = self._failure
-            if failure is None:
+            if failure is None and self._closed:  # (no step id is consumed after close: none is recorded)
+                self._delivery.take_step(shape.rows)
+                self._steps.discard_at_close(step_id)
+            elif failure is None:
                 rows, reads = self._delivery.take_step(shape.rows)
-                # (none once close has released the unconsumed steps' reads: no step id is consumed after it)
-                hits: dict[str, HitRead] = (
-                    {} if self._closed else {req: self._reader.plan(req, read, specs) for req, read in reads.items()}
-                )
+                hits: dict[str, HitRead] = {req: self._reader.plan(req, read, specs) for req, read in reads.items()}
                 self._steps.records[step_id] = StepRecord(
                     step_id, page, handle, shape.n, shape.n_padded, rows, list(cached), hits, kept_leftover, clones,
                     sources, staged, threading.get_ident(), self._copies.epoch, keys.max_row_bytes, arrays is not None,
@@ -516,7 +516,7 @@ class PrefixCache:
 
     def awaited(self, step_id: int) -> bool:
         """Whether step ``step_id`` is saved and neither `materialize` nor `discard` has taken it
-        yet (any thread; a snapshot, no lock: one dict lookup). The vLLM adapter reads it to
+        yet, nor `close` (any thread; a snapshot, no lock: one dict lookup). The vLLM adapter reads it to
         tell an output still in flight at a reset from one the scheduler already has. Raises
         `InvalidInputError` for an id that is not an int."""
         if type(step_id) is not int:  # (the usual id needs no more look)

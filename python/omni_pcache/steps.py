@@ -164,16 +164,27 @@ class StepPages:
             self._staging.release(page, ("step", step_id))
 
     def release_at_close(self) -> None:
-        """At close, after the staging registry closed (ledger lock held): drops every step's
-        hold on its page and releases the hit reads of the steps not consumed, since no step
-        id is consumed after close (a materialize under way still reads its page, and its own
-        reads: its record is no longer listed; nothing writes a page once the registry is
-        closed). The write tasks' holds stay: a task queued by a save racing close is still
-        written, and its writer releases its own."""
-        for record in self.records.values():
+        """At close, after the staging registry closed (ledger lock held): the steps not
+        consumed yet never can be, so their ids are consumed here (`stats().steps_outstanding`
+        is empty, `awaited` False), their hit reads released and the rows kept aside for them
+        dropped; every step's hold on its page is dropped. A materialize under way still reads
+        its page, its own reads and the rows kept aside for it (its record is no longer
+        listed; nothing writes a page once the registry is closed). A save racing close records
+        no step (`discard_at_close`). The write tasks' holds stay: a task queued by a save
+        racing close is still written, and its writer releases its own."""
+        for step_id, record in self.records.items():
             for hit in record.hits.values():
                 self._reader.release(hit)
+            self.ids.consume(step_id)
+        self.records.clear()
+        if self._preserved.steps_held:
+            self._preserved.drop_through(min(self._building) if self._building else None)
         release_page_holders(self._staging, "step")
+
+    def discard_at_close(self, step_id: int) -> None:
+        """Consumes the id of a step whose save finished after close (ledger lock held): it is
+        not recorded, as nothing can take it (`release_at_close` released its page)."""
+        self.ids.consume(step_id)
 
 
 def release_page_holders(staging: StagingSlots, kind: str | None = None) -> None:
