@@ -550,7 +550,8 @@ def test_a_close_or_failure_at_a_random_moment_cuts_calls_short_cleanly_and_rele
     stats = cache.stats()
     assert (stats.device_bytes, stats.deferred_open) == (0, 0), stats
     if stop == "close":  # (and the steps never consumed are consumed by close: nothing can take them after it)
-        assert (stats.tasks_live, stats.steps_outstanding, stats.reads_pending, stats.preserved_entries) == (0, [], 0, 0)
+        held = (stats.tasks_live, stats.steps_outstanding, stats.reads_pending, stats.preserved_entries)
+        assert held == (0, [], 0, 0), stats
     else:  # (every task written before the failure, or failed: none pending, queued or being written)
         assert {state for _, state in cache._tasks.states()} <= {"WRITTEN", "FAILED"}, cache._tasks.states()
         assert stats.reads_pending == 0 and not any(stats.staging_holders), stats
