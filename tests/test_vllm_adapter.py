@@ -410,6 +410,16 @@ def test_tracker_refuses_draft_tokens_and_changes_nothing() -> None:
     assert list(t) == ["a"] and t.blocks("a") == [1]
 
 
+@pytest.mark.parametrize("not_an_output", [None, object()], ids=["None", "object"])
+def test_tracker_refuses_what_is_not_a_scheduler_output_and_changes_nothing(not_an_output) -> None:
+    t = BlockTracker()
+    t.update(so_of(new=[new_req("a", [1])], counts={"a": 4}))
+    fields = "scheduled_new_reqs, scheduled_cached_reqs, finished_req_ids"
+    with pytest.raises(InvalidInputError, match=f"update takes vLLM's SchedulerOutput, got .* without {fields}"):
+        t.update(not_an_output)
+    assert list(t) == ["a"] and t.blocks("a") == [1]
+
+
 def test_tracker_rejects_a_running_request_it_does_not_know() -> None:
     t = BlockTracker()
     with pytest.raises(InvalidInputError, match="unknown to the tracker"):

@@ -57,6 +57,9 @@ from typing import Any
 from omni_pcache.errors import ConfigError, InvalidInputError
 from omni_pcache.validation import as_int
 
+_SCHEDULER_OUTPUT_FIELDS = ("scheduled_new_reqs", "scheduled_cached_reqs", "finished_req_ids")
+"""What `BlockTracker.update` reads of every SchedulerOutput (the rest only where present)."""
+
 
 def _group0(block_ids: Any, req_id: str) -> list[int] | None:
     """The single KV group's block ids out of vLLM's per-group tuple (``None`` stays ``None``)."""
@@ -186,6 +189,11 @@ class BlockTracker:
         forgotten lists themselves, and each extended list's former length; and `continued`
         as it was)."""
         so = scheduler_output
+        missing = [name for name in _SCHEDULER_OUTPUT_FIELDS if not hasattr(so, name)]
+        if missing:  # (None, or a runner's own object passed by mistake: a typed error, not AttributeError)
+            raise InvalidInputError(
+                f"update takes vLLM's SchedulerOutput, got {type(so).__name__} without {', '.join(missing)}"
+            )
         if getattr(so, "kv_cache_block_copies", None):
             copies = list(so.kv_cache_block_copies)
             raise ConfigError(
