@@ -169,6 +169,24 @@ def test_a_cache_not_idle_at_the_end_fails_the_run(field, value, line) -> None:
     assert result.mismatches == [f"cache not idle at the end: {line}"]
 
 
+def test_cache_counters_that_disagree_with_the_engine_fail_the_run() -> None:
+    cached, reference = runs()
+    stats = cached.cache_stats
+    assert cached.new_hits > 0 and cached.prefix_rows_returned > 0, "the run must have hits"
+    assert (stats.hits, stats.misses) == (cached.new_hits, cached.new_misses)
+    assert compare(cached, reference, 0.0).ok
+    cached.cache_stats = replace(stats, misses=stats.misses + 1)  # (a resumed request counted as new)
+    assert compare(cached, reference, 0.0).mismatches == [
+        f"cache counted {stats.hits} hits / {stats.misses + 1} misses; the scheduler admitted "
+        f"{cached.new_hits} new requests with a prefix hit / {cached.new_misses} without"
+    ]
+    cached.cache_stats = replace(stats, rows_preserved=stats.rows_preserved + 2)  # (one row, both keys)
+    [line] = compare(cached, reference, 0.0).mismatches
+    assert line.endswith(
+        f"materialize returned {cached.prefix_rows_returned} rows ahead of their steps' own, for 2 cached keys"
+    )
+
+
 def test_rows_of_another_dtype_fail_the_run_even_when_equal_in_value() -> None:
     cached, reference = runs()
     out = next(o for o in cached.outputs.values() if o.proj[0].shape[0] > 0)

@@ -8,7 +8,8 @@ within a tolerance for the transformer. Every leftover returned must have equall
 and been on the host (counted by the engine when it verifies leftovers), every request must
 have finished or been aborted (a run cut short at ``max_steps`` fails), and the cache must be
 idle at the end: every write landed, every staging page, hit read, preserved row and device
-byte released, no step id outstanding and no request still live.
+byte released, no step id outstanding and no request still live; and its counters must agree
+with the engine's (hits and misses, hit rows served).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def compare(cached: EngineResult, reference: EngineResult, atol: float) -> Compa
     result = Comparison()
     if cached.cache_stats is not None:
         result.mismatches.extend(not_idle(cached.cache_stats))
+        result.mismatches.extend(miscounted(cached, cached.cache_stats))
     for req_id, req in cached.requests.items():
         if req.status not in (Status.FINISHED, Status.ABORTED):
             result.mismatches.append(f"{req_id}: {req.status.value}, neither finished nor aborted (run cut short)")
@@ -97,6 +99,27 @@ def compare(cached: EngineResult, reference: EngineResult, atol: float) -> Compa
         result.requests_checked += 1
         result.rows_checked += n
     return result
+
+
+def miscounted(cached: EngineResult, stats: CacheStats) -> list[str]:
+    """The cache's counters against what the engine saw, each disagreement as a mismatch line:
+    its hits and misses against the requests the scheduler admitted for the first time with and
+    without a prefix hit; the hit rows it served (counted once per cached key) against the rows
+    materialize returned ahead of each step's own."""
+    wrong = []
+    if (stats.hits, stats.misses) != (cached.new_hits, cached.new_misses):
+        wrong.append(
+            f"cache counted {stats.hits} hits / {stats.misses} misses; the scheduler admitted "
+            f"{cached.new_hits} new requests with a prefix hit / {cached.new_misses} without"
+        )
+    served = stats.rows_from_pool + stats.rows_in_flight + stats.rows_preserved
+    num_keys = len(stats.bytes_written)  # (every cached key the cache has seen)
+    if served != cached.prefix_rows_returned * num_keys:
+        wrong.append(
+            f"cache counted {served} hit rows served; materialize returned {cached.prefix_rows_returned} rows "
+            f"ahead of their steps' own, for {num_keys} cached keys"
+        )
+    return wrong
 
 
 def not_idle(stats: CacheStats) -> list[str]:

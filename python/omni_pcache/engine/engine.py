@@ -96,6 +96,9 @@ class EngineResult:
     steps: int
     tokens_computed: int
     hit_tokens: int
+    new_hits: int  # requests admitted for the first time with a prefix hit
+    new_misses: int  # ... and without one
+    prefix_rows_returned: int  # rows materialize returned ahead of each step's own rows, summed
     preemptions: int
     evictions: int
     wall_s: float
@@ -195,6 +198,7 @@ class Engine:
         self._reference_rows: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._leftovers: dict[int, dict[str, object]] = {}  # step id -> a host copy of the model's step_info
         self._row_starts: dict[int, dict[str, int]] = {}  # step id -> each request's first position in it
+        self._prefix_rows_returned = 0  # rows returned ahead of their steps' own (from the cache)
         self._lock = threading.Lock()
         self._errors: list[BaseException] = []
 
@@ -212,12 +216,17 @@ class Engine:
                 rec.hidden.append(hidden)
                 rec.proj.append(proj)
                 rec.leftover_seen += 1
+                # The rows returned cover the positions from the first not returned before; those
+                # ahead of the step's first position came from the cache (`compare` checks the
+                # cache's counters against their sum).
+                start, end = rec.delivered, rec.delivered + hidden.shape[0]
+                rec.delivered = end
+                step_start = self._row_starts[step_id][req_id]
+                self._prefix_rows_returned += max(0, step_start - start)
                 if self.verify_leftovers:
                     # The per-row leftover holds this step's rows the cached keys returned: from
                     # the step's first position, or the first not returned before, to the end.
-                    start, end = rec.delivered, rec.delivered + hidden.shape[0]
-                    rec.delivered = end
-                    expected = torch.arange(max(start, self._row_starts[step_id][req_id]), end)
+                    expected = torch.arange(max(start, step_start), end)
                     rec.leftover_wrong += not torch.equal(out.mm[ROW_INFO][req_id], expected)
                 if self.verify_leftovers:
                     leftover = out.mm["step_info"][req_id]
@@ -340,9 +349,9 @@ class Engine:
                         step_id = self.cache.save(hidden, mm, step_batch)
                         for req, count in sched.scheduled:  # (before `update` moves num_computed on)
                             req.saved_upto = max(req.saved_upto, req.num_computed + count)
-                        if self.verify_leftovers:
-                            with self._lock:
-                                self._row_starts[step_id] = {req.req_id: req.num_computed for req, _ in sched.scheduled}
+                        with self._lock:
+                            self._row_starts[step_id] = {req.req_id: req.num_computed for req, _ in sched.scheduled}
+                            if self.verify_leftovers:
                                 self._leftovers[step_id] = {
                                     k: v.clone() if isinstance(v, torch.Tensor) else v
                                     for k, v in out.mm["step_info"].items()
@@ -383,6 +392,9 @@ class Engine:
             steps=step,
             tokens_computed=tokens_computed,
             hit_tokens=self.scheduler.num_hit_tokens,
+            new_hits=self.scheduler.num_new_hits,
+            new_misses=self.scheduler.num_new_misses,
+            prefix_rows_returned=self._prefix_rows_returned,
             preemptions=self.scheduler.num_preemptions,
             evictions=self.kv.pool.num_evictions,
             wall_s=wall,

@@ -51,6 +51,7 @@ class Scheduler:
         self._finished_since: list[str] = []
         self.num_preemptions = 0
         self.num_hit_tokens = 0
+        self.num_new_hits = self.num_new_misses = 0  # first admissions with and without a prefix hit
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -116,6 +117,10 @@ class Scheduler:
                 out.resumed.append(entry)
             else:
                 out.new.append(entry)
+                if req.num_computed:
+                    self.num_new_hits += 1
+                else:
+                    self.num_new_misses += 1
             req.scheduled_before = True
             req.preempted = False
             req.status = Status.RUNNING
