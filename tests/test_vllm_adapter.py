@@ -540,6 +540,22 @@ def test_step_batch_checks_the_rows_against_the_scheduler_output() -> None:
         step_batch(so, t, ["b", "a"], 4)  # (an output the tracker has moved past)
 
 
+def test_step_batch_refuses_a_token_scheduled_in_vllms_null_block() -> None:
+    # Block 0 stands in a block list only where a block was freed (RSWA writes it over a running
+    # request's gap blocks behind its window); no scheduled token is ever there, so one that is
+    # means the tracker's lists are out of step, and its rows would land in a block lists share.
+    t = BlockTracker()
+    so = so_of(new=[new_req("a", [3]), new_req("s", [0, 0, 6], 9)], counts={"a": 2, "s": 2})
+    t.update(so)
+    batch = step_batch(so, t, ["a", "s"], 4)  # (s's nulls lie below its first scheduled position)
+    assert batch.slot_mapping.tolist() == [12, 13, 25, 26]
+    so = so_of(new=[new_req("b", [5, 0])], counts={"b": 6})
+    t.update(so)
+    null = r"^request 'b': position 4 is scheduled in block 0, vLLM's null block \(a freed block's stand-in\)"
+    with pytest.raises(InvalidInputError, match=null):
+        step_batch(so, t, ["b"], 4)
+
+
 # ---- ranks and the mixin off the happy path ------------------------------------------------------
 
 

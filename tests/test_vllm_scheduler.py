@@ -189,6 +189,40 @@ def test_streaming_input_session(v2: bool, async_scheduling: bool) -> None:
     assert counts["s"] == 33 and result.requests["s"].status == RequestStatus.FINISHED_ABORTED
 
 
+@RUNNERS
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_reduced_sliding_window_frees_gap_blocks_the_cache_never_reads(
+    v2: bool, async_scheduling: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RSWA: full attention whose manager frees the blocks of generated tokens that fall behind
+    a window (4 here) and writes the null block 0 over them in the request's list. A session
+    that decodes past the window gets its next chunk as a new request whose list holds those
+    nulls below its num_computed_tokens (rows its consumer already has: never read); a request
+    whose prompt continues another's outputs hits blocks freed from that one's list (still
+    hashed, so vLLM serves them as a prefix hit: the cache serves their rows from the pool)."""
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
+    nulled: set[str] = set()  # requests whose gap blocks the manager replaced with the null block
+    remove = SingleTypeKVCacheManager._remove_blocks_in_range
+
+    def counted(self, request_id: str, *span: int) -> None:
+        before = list(self.req_to_blocks.get(request_id, ()))
+        remove(self, request_id, *span)
+        if any(x is not y for x, y in zip(before, self.req_to_blocks.get(request_id, ()), strict=True)):
+            nulled.add(request_id)
+
+    monkeypatch.setattr(SingleTypeKVCacheManager, "_remove_blocks_in_range", counted)
+    rng = random.Random(6)
+    session = Req("s", tokens(rng, 10), max_tokens=30, turns=[(tokens(rng, 6), 20, 40)], end_at=80)
+    a = tokens(rng, 53)
+    reqs = [session, Req("a", a, max_tokens=30), Req("a-continued", continuation(a, 78), max_tokens=5, arrival=40)]
+    result = run(make_stage(v2=v2, async_scheduling=async_scheduling, rswa_window=4), reqs)
+    check_full_sequences(result)
+    c = result.counters
+    assert nulled == {"s", "a"} and c.session_chunks == 1 and c.null_block_lists == 1
+    assert c.first_computed["a-continued"] == 76, "the hit reaches over a's freed gap blocks (from position 56)"
+
+
 def random_stage(rng: random.Random, pool_sizes: list[int], async_share: float, pipeline_parallel_size: int = 1):
     """A seeded stage: block size, pool size (one of ``pool_sizes``), step budget, batch size,
     long-prefill threshold, runner kind, and async scheduling in ``async_share`` of them.

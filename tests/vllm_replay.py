@@ -475,6 +475,10 @@ def record_engine_run(
     for r in requests:
         if r.abort_step is not None:
             aborts.setdefault(r.abort_step, []).append(r)
+
+    def as_vllm(blocks: list[int]) -> list[int]:  # (vLLM's pool hands out ids from 1: block 0 is its null block)
+        return [b + 1 for b in blocks]
+
     known: dict[str, int] = {}  # block-list length the worker has been sent
     computed_upto: dict[str, int] = {}
     steps: list[Step] = []
@@ -500,13 +504,13 @@ def record_engine_run(
             if req.req_id in new_ids or (v2 and req.req_id in resumed_ids):
                 v2_resume = req.req_id in resumed_ids
                 known_tokens = req.num_tokens if v2_resume else None
-                step.new.append(New(req.req_id, list(req.blocks), req.num_computed, n, v2_resume, known_tokens))
+                step.new.append(New(req.req_id, as_vllm(req.blocks), req.num_computed, n, v2_resume, known_tokens))
             elif req.req_id in resumed_ids:
                 known_tokens = req.num_tokens
-                resumed.append(Cached(req.req_id, list(req.blocks), req.num_computed, n, True, known_tokens))
+                resumed.append(Cached(req.req_id, as_vllm(req.blocks), req.num_computed, n, True, known_tokens))
             else:
-                added = req.blocks[known[req.req_id] :]
-                running.append(Cached(req.req_id, list(added) or None, req.num_computed, n))
+                added = as_vllm(req.blocks[known[req.req_id] :])
+                running.append(Cached(req.req_id, added or None, req.num_computed, n))
             known[req.req_id] = len(req.blocks)
             computed_upto[req.req_id] = max(computed_upto.get(req.req_id, 0), req.num_computed + n)
         step.cached = running + resumed
@@ -523,7 +527,7 @@ def record_engine_run(
         {r.req_id: list(r.prompt) for r in requests},
         {rid: n for rid, n in computed_upto.items()},
         block_size=block_size,
-        num_blocks=num_blocks,
+        num_blocks=num_blocks + 1,  # (and vLLM's null block)
         max_num_batched_tokens=max_batched,
     )
     counters = {

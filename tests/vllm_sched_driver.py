@@ -54,7 +54,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, RSWASpec
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -178,9 +178,12 @@ def make_stage(
     v2: bool = False,
     long_prefill_token_threshold: int = 0,
     pipeline_parallel_size: int = 1,
+    rswa_window: int | None = None,
 ) -> Stage:
     """vLLM's scheduler for a one-group full-attention stage with prefix caching on. ``v2``: the
-    scheduler talks to the V2 model runner (it sends resumed requests again as new ones)."""
+    scheduler talks to the V2 model runner (it sends resumed requests again as new ones).
+    ``rswa_window``: the group's spec is RSWA's (full attention whose manager frees the blocks
+    of generated tokens behind that window, writing the null block 0 over them)."""
     mc = model_config()
     with _runner_kind(v2):
         vc = VllmConfig(
@@ -205,7 +208,8 @@ def make_stage(
         assert vc.use_v2_model_runner == v2
         assert vc.cache_config.enable_prefix_caching and vc.cache_config.block_size == block_size
         vc.cache_config.num_gpu_blocks = num_blocks
-        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=16, dtype=torch.float32)
+        shape = {"block_size": block_size, "num_kv_heads": 2, "head_size": 16, "dtype": torch.float32}
+        spec = FullAttentionSpec(**shape) if rswa_window is None else RSWASpec(rswa_window=rswa_window, **shape)
         kv = KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)]
         )
@@ -242,6 +246,7 @@ class Counters:
     resumed_with_hit: int = 0
     partial_prefills: int = 0  # scheduled prefill chunks that did not reach the end of the tokens
     session_chunks: int = 0  # streaming sessions' next chunks scheduled
+    null_block_lists: int = 0  # new requests' block lists holding the null block 0 (RSWA's freed gap)
     dropped_outputs: int = 0  # step outputs update_from_output dropped (drop_stale_output)
     dropped_chunks: int = 0  # ... of more than one position (a prefill chunk)
     resets: int = 0  # reset_prefix_cache(reset_running_requests=True) calls
@@ -445,6 +450,7 @@ class Runner(PrefixCacheRunnerMixin):
                 c.resumed_with_hit += r.num_computed_tokens > 0
             elif kinds[r.req_id] == "session":
                 c.session_chunks += 1
+                c.null_block_lists += 0 in r.block_ids[0]
             else:
                 c.first_computed[r.req_id] = r.num_computed_tokens
                 if r.num_computed_tokens:

@@ -148,4 +148,22 @@ def step_batch(
     counts = np.fromiter(map(scheduled.__getitem__, req_ids), dtype=np.int64, count=len(req_ids))
     starts = np.fromiter(map(computed.__getitem__, req_ids), dtype=np.int64, count=len(req_ids))
     slots = slot_mapping(tracker.lists(req_ids), starts, counts, block_size)
+    if len(slots) and slots.min() < block_size:
+        raise _null_block_error(slots, req_ids, starts, counts, block_size)
     return StepBatch(req_ids, counts.tolist(), slots, num_tokens_padded)
+
+
+def _null_block_error(
+    slots: np.ndarray, req_ids: list[str], starts: np.ndarray, counts: np.ndarray, block_size: int
+) -> InvalidInputError:
+    """Block 0 is vLLM's null block, never allocated to a request: it stands in a block list
+    only where a block was freed (a sliding window's gap, which RSWA writes into a running
+    request's list), so a scheduled token there would be written into a block other requests'
+    lists share. Names the first such token."""
+    at = int(np.argmax(slots < block_size))
+    row = int(np.searchsorted(np.cumsum(counts), at, side="right"))
+    position = int(starts[row]) + at - int(np.sum(counts[:row]))
+    return InvalidInputError(
+        f"request {req_ids[row]!r}: position {position} is scheduled in block 0, vLLM's null block "
+        "(a freed block's stand-in); the tracker's block list for it is out of step with the scheduler's"
+    )
