@@ -228,5 +228,5 @@ def test_steps_consumed_three_late_keep_three_ids_outstanding() -> None:
     config = replace(CONFIG, consume_lag=3)
     cached, _ = runs(config)
     assert cached.cache_stats is not None and cached.cache_stats.steps_outstanding == []
-    with pytest.raises(ValueError, match="consume_lag must be from 1 to the cache's staging_depth - 1, got 4"):
+    with pytest.raises(ValueError, match="consume_lag must be from 0 to the cache's staging_depth - 1, got 4"):
         Engine(replace(CONFIG, consume_lag=4))

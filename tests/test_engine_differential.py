@@ -72,6 +72,25 @@ SCENARIOS = [
         50,
         0.4,
     ),
+    # Each step id consumed right after its save (vLLM's sync scheduling): on the engine thread,
+    # which reads the step's own rows from the caller's tensors before the next begin_step (every
+    # step handed to the committer: one save writes itself is read from its own copies)...
+    (
+        "sync-consumer",
+        EngineConfig(num_blocks=24, max_num_batched_tokens=96, consume_lag=0, inline_write_bytes=0),
+        "chat",
+        50,
+        0.1,
+    ),
+    # ...and on the output thread, racing the next begin_step (its fence, the buffers' reuse)
+    # and the committer's write of that very step.
+    (
+        "output-thread-at-once",
+        EngineConfig(num_blocks=24, consume_lag=0, output_thread=True, shuffle_batch=True, deferred_proj=True),
+        "mixed",
+        50,
+        0.1,
+    ),
     # Each step id consumed three steps late (pipeline stages, a lagging output thread): reads
     # of blocks reused meanwhile are served from the rows kept aside for them, steps apart.
     (

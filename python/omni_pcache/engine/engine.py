@@ -2,8 +2,9 @@
 
 Each step: abort what is due, schedule, tell the cache (`begin_step`), run the model on the
 scheduled tokens only, `save` its outputs, and hand the *previous* step's id to the output
-path (`materialize` one step late, like vLLM's async scheduling, or ``consume_lag`` steps late;
-optionally on its own thread). With prefix caching off (the reference) no cache is used: every token is computed
+path (`materialize` one step late, like vLLM's async scheduling, or ``consume_lag`` steps late:
+0 hands each step's id over right after its save, as sync scheduling does; optionally on its
+own thread). With prefix caching off (the reference) no cache is used: every token is computed
 and its rows are recorded by position.
 """
 
@@ -53,6 +54,10 @@ class EngineConfig:
     output_thread: bool = False
     deferred_proj: bool = False  # keep the "proj" key on the device until its request finishes
     device_budget_bytes: int = 512 << 20
+    # The cache's `CacheConfig.inline_write_bytes` (None: its default). 0 hands every step to the
+    # committer, so a step consumed before the next begin_step reads its rows from the caller's
+    # tensors (the engine's steps are otherwise small enough for save to write them itself).
+    inline_write_bytes: int | None = None
     # None: the model's output tensors go to save as they are. A device ("cpu", "cuda", ...):
     # they are copied into persistent buffers on it, reused every step as vLLM's runner reuses
     # its own (see `OutputBuffers`).
@@ -66,9 +71,11 @@ class EngineConfig:
     # Rows of a step in a random order of its requests, not the scheduler's (vLLM's input batch
     # condenses and reorders its rows).
     shuffle_batch: bool = False
-    # Steps saved after a step before its id goes to the output path: 1 materializes the step
-    # before (vLLM's async scheduling); more keep that many ids outstanding, as pipeline stages
-    # or a lagging output thread do (at most the cache's staging_depth - 1).
+    # Steps saved after a step before its id goes to the output path: 0 hands it over right
+    # after its save (vLLM's sync scheduling: the output built in the same step, before the
+    # next begin_step; on the output thread, racing it); 1 materializes the step before (vLLM's
+    # async scheduling); more keep that many ids outstanding, as pipeline stages or a lagging
+    # output thread do (at most the cache's staging_depth - 1).
     consume_lag: int = 1
 
 
@@ -184,10 +191,11 @@ class Engine:
                 staging_capacity_tokens=config.max_num_batched_tokens,
                 claim_timeout_s=60.0,
                 device_budget_bytes=config.device_budget_bytes,
+                **({} if config.inline_write_bytes is None else {"inline_write_bytes": config.inline_write_bytes}),
             )
-            if not 1 <= config.consume_lag < cache_config.staging_depth:  # (else save waits for a page forever)
+            if not 0 <= config.consume_lag < cache_config.staging_depth:  # (else save waits for a page forever)
                 raise ValueError(
-                    f"consume_lag must be from 1 to the cache's staging_depth - 1, got {config.consume_lag}"
+                    f"consume_lag must be from 0 to the cache's staging_depth - 1, got {config.consume_lag}"
                 )
             deferred = frozenset({"proj"}) if config.deferred_proj else frozenset()
             self.cache = PrefixCache(cache_config, CachePolicy(token_keys=frozenset({"proj"}), deferred_keys=deferred))
