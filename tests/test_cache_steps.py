@@ -351,6 +351,30 @@ def test_step_ids_that_are_not_ints_are_refused_and_consume_nothing(step_id) -> 
             cache.discard(sid)
 
 
+@pytest.mark.parametrize("req_ids", [["b"], ["a", "a"]], ids=["foreign", "twice"])
+def test_request_ids_are_checked_against_a_step_saved_between_takes_two_looks(req_ids) -> None:
+    # take looks the record up without the lock (for the checks), then again under it: a save
+    # that lands in between (its record stored by another thread) must have the request ids
+    # checked too, not be consumed for ids that were not in it. (A records dict that hides the
+    # step at the first look stands in for that thread.)
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        sid = save_one(cache)
+
+        class SavedAtTheSecondLook(dict):
+            looks = 0
+
+            def get(self, key, default=None):
+                self.looks += 1
+                return default if self.looks == 1 else super().get(key, default)
+
+        cache._steps.records = SavedAtTheSecondLook(cache._steps.records)
+        with pytest.raises(InvalidInputError):
+            cache.materialize(sid, req_ids)
+        assert cache._steps.records.looks == 2 and cache.awaited(sid), "nothing consumed"
+        assert torch.equal(cache.materialize(sid, ["a"]).hidden["a"], torch.ones(2, 2))
+
+
 def test_an_id_whose_save_has_not_returned_is_refused_and_its_step_stays_whole() -> None:
     # Another thread may name an id save has issued but not returned (ids are sequential, and
     # stats lists it): refused, not consumed, so that save's step is consumed normally after.
