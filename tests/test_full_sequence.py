@@ -343,6 +343,25 @@ def test_a_save_that_gets_no_device_budget_in_time_is_refused_and_loses_nothing(
         check(cache.materialize(hit, ["c"]), "c", (1, 0, 4), (3, 4, 1))  # a's rows were flushed and written
 
 
+def test_a_failure_when_the_device_budget_wait_times_out_is_what_save_raises() -> None:
+    # The committer fails while b's save waits for device budget, and the wait ends at its
+    # deadline: save raises that failure (every call does), not a timeout that hides it.
+    with budget_of_one_step(claim_timeout_s=0.2) as cache:
+        gate = threading.Event()
+        fill_the_budget(cache, lambda records, write: (gate.wait(10), write(records)))
+        wait = cache._deferred.budget.wait_for_room
+
+        def fails_at_the_deadline(nbytes: int, deadline: float) -> bool:
+            fits = wait(nbytes, deadline)
+            cache._on_write_failure(-1, RuntimeError("injected: the committer failed"), "the committer")
+            return fits
+
+        cache._deferred.budget.wait_for_room = fails_at_the_deadline
+        with pytest.raises(WriteFailedError, match=r"the committer failed: RuntimeError\('injected"):
+            save(cache, [("b", [1], 0, 4, 2)], new=[NewRequest("b", [1])])
+        gate.set()
+
+
 @pytest.mark.parametrize(
     "policy",
     [DEFERRED, CachePolicy(cache_hidden=False, token_keys={"codes"}, deferred_keys={"codes"})],
