@@ -20,7 +20,9 @@ and one copy of the step's rows, into new memory: what gathering costs here befo
 bookkeeping), beside that gather run in omni_pcache's own step loop in place of materialize
 (after each step's save, while the committer writes it: the caches as a real materialize finds
 them), and the ratios ours/theirs. Both sides' outputs are
-checked against the expected full-sequence rows on a few steps (a wrong answer fails the run).
+checked against the expected full-sequence rows on a few steps, then overwritten, and the step
+after each is checked too (a wrong answer, or outputs that share a side's cache storage, fail
+the run). The sides take turns going first, from one step size and forward to the next.
 
 Each step runs as an engine runs it: begin, the forward, save, then materialize on the same
 thread. The forward is ``--forward-ms`` of GIL-releasing torch work that sweeps more memory
@@ -318,7 +320,7 @@ def run_side(
     side.materialize(sid, warm)
     engine_s, mat_s, mat_bytes = [], [], []
     measured = len(steps) - warmup
-    check_at = {warmup + i for i in np.linspace(0, measured - 1, num=min(checks, measured), dtype=int).tolist()}
+    check_at = {warmup + i for i in np.linspace(0, measured - 2, num=min(checks, measured - 1), dtype=int).tolist()}
     gc.collect()
     gc.disable()
     try:
@@ -334,8 +336,15 @@ def run_side(
             engine_s.append(engine)
             mat_s.append(t2 - t1)
             mat_bytes.append(sum(t.numel() * t.element_size() for d in (got_h, got_m) for t in d.values()))
-            if i in check_at:
+            if i in check_at or i - 1 in check_at:
                 check(side.name, st, expected(st, warm, rows), got_h, got_m)
+            if i in check_at:
+                # Returned rows are the caller's to write: overwrite them, and the next step (which
+                # hits every shared prefix again) is checked too, so a side whose outputs share
+                # its cache's storage fails the run.
+                for t in (*got_h.values(), *got_m.values()):
+                    with torch.inference_mode(t.is_inference()):  # (vLLM-Omni returns inference tensors)
+                        t.fill_(-7)
     finally:
         gc.enable()
     skip = warmup + 2  # (and the allocator's first rounds of output buffers)
@@ -656,10 +665,15 @@ def main(argv: list[str] | None = None) -> int:
                 "step_bytes": step_bytes,
                 "warmup_steps": warmup,
             }
-            sides = [Ours(num_blocks, capacity)]
+            makers = [lambda: Ours(num_blocks, capacity)]
             if pc is not None:
-                sides.append(Theirs(pc, num_blocks, capacity))
-            for side in sides:
+                makers.append(lambda: Theirs(pc, num_blocks, capacity))
+            if len(results) % 2:  # (the sides take turns going first: neither always finds the machine fresher)
+                makers.reverse()
+            row["order"] = []
+            for make in makers:
+                side = make()
+                row["order"].append(side.name)
                 try:
                     row[side.name] = run_side(side, warm, steps, rows, checks=3, warmup=warmup, forward_ms=forward_ms)
                 finally:
