@@ -49,6 +49,7 @@ Writes benches/results/step_overhead.json. Nothing is asserted about time.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import importlib.util
 import os
@@ -665,9 +666,9 @@ def main(argv: list[str] | None = None) -> int:
                 "step_bytes": step_bytes,
                 "warmup_steps": warmup,
             }
-            makers = [lambda: Ours(num_blocks, capacity)]
+            makers = [functools.partial(Ours, num_blocks, capacity)]
             if pc is not None:
-                makers.append(lambda: Theirs(pc, num_blocks, capacity))
+                makers.append(functools.partial(Theirs, pc, num_blocks, capacity))
             if len(results) % 2:  # (the sides take turns going first: neither always finds the machine fresher)
                 makers.reverse()
             row["order"] = []
