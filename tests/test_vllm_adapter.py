@@ -554,6 +554,10 @@ def test_step_batch_refuses_a_token_scheduled_in_vllms_null_block() -> None:
     null = r"^request 'b': position 4 is scheduled in block 0, vLLM's null block \(a freed block's stand-in\)"
     with pytest.raises(InvalidInputError, match=null):
         step_batch(so, t, ["b"], 4)
+    so = so_of(new=[new_req("c", [-1, 0])], counts={"c": 6})  # (a negative id first: the null block is named)
+    t.update(so)
+    with pytest.raises(InvalidInputError, match=r"^request 'c': position 4 is scheduled in block 0"):
+        step_batch(so, t, ["c"], 4)
 
 
 # ---- ranks and the mixin off the happy path ------------------------------------------------------

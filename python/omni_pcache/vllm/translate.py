@@ -148,8 +148,8 @@ def step_batch(
     counts = np.fromiter(map(scheduled.__getitem__, req_ids), dtype=np.int64, count=len(req_ids))
     starts = np.fromiter(map(computed.__getitem__, req_ids), dtype=np.int64, count=len(req_ids))
     slots = slot_mapping(tracker.lists(req_ids), starts, counts, block_size)
-    if len(slots) and slots.min() < block_size:
-        raise _null_block_error(slots, req_ids, starts, counts, block_size)
+    if len(slots) and slots.min() < block_size and ((slots >= 0) & (slots < block_size)).any():
+        raise _null_block_error(slots, req_ids, starts, counts, block_size)  # (a negative id: save refuses it)
     return StepBatch(req_ids, counts.tolist(), slots, num_tokens_padded)
 
 
@@ -160,7 +160,7 @@ def _null_block_error(
     only where a block was freed (a sliding window's gap, which RSWA writes into a running
     request's list), so a scheduled token there would be written into a block other requests'
     lists share. Names the first such token."""
-    at = int(np.argmax(slots < block_size))
+    at = int(np.argmax((slots >= 0) & (slots < block_size)))
     row = int(np.searchsorted(np.cumsum(counts), at, side="right"))
     position = int(starts[row]) + at - int(np.sum(counts[:row]))
     return InvalidInputError(
