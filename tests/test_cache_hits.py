@@ -205,6 +205,54 @@ def test_after_reuse_hits_read_the_new_tenant() -> None:
         expect(cache.materialize(sid, ["c"]), "c", [(2, 0, 4), (3, 4, 2)])
 
 
+def steps_with_rows_kept_aside(cache) -> tuple[int, int]:
+    """a writes blocks 0-1; b's step hits a's block 0 (not consumed); c's step reuses block 0,
+    so a's rows of it are kept aside for b's read. Returns b's and c's step ids."""
+    cache.materialize(run_step(cache, [NewRequest("a", [0, 1])], reqs=[("a", [0, 1], 0, 8, 1)]), ["a"])
+    hit_step = run_step(cache, [NewRequest("b", [0, 2], 4)], finished=["a"], reqs=[("b", [0, 2], 4, 3, 2)])
+    reuse_step = run_step(cache, [NewRequest("c", [0, 3])], finished=["b"], reqs=[("c", [0, 3], 0, 5, 3)])
+    return hit_step, reuse_step
+
+
+def test_close_drops_the_rows_kept_aside_for_steps_never_consumed() -> None:
+    cache = small_cache()
+    steps_with_rows_kept_aside(cache)
+    assert cache.stats().preserved_entries > 0
+    cache.close()
+    assert cache.stats().preserved_entries == 0
+
+
+@pytest.mark.parametrize("both", [False, True], ids=["hit-step-under-way", "both-under-way"])
+def test_close_keeps_the_rows_kept_aside_for_materializes_under_way(both: bool) -> None:
+    # close lands while b's materialize (and c's) is under way, its step taken: b's read is
+    # still served a's rows from the copy kept aside, not dropped with the unconsumed steps'.
+    cache = small_cache()
+    hit_step, reuse_step = steps_with_rows_kept_aside(cache)
+    build, go, entered = cache._outputs.build, threading.Event(), threading.Semaphore(0)
+
+    def gated_build(*args):
+        entered.release()
+        assert go.wait(10)
+        return build(*args)
+
+    cache._outputs.build = gated_build
+    out: dict = {}
+    readers = [start_thread(lambda: out.update(b=cache.materialize(hit_step, ["b"])))]
+    assert entered.acquire(timeout=10)
+    if both:
+        readers.append(start_thread(lambda: out.update(c=cache.materialize(reuse_step, ["c"]))))
+        assert entered.acquire(timeout=10)
+    cache.close()
+    go.set()
+    for thread, errors in readers:
+        thread.join(10)
+        assert not errors, errors
+    expect(out["b"], "b", [(1, 0, 4), (2, 4, 3)])
+    if both:
+        expect(out["c"], "c", [(3, 0, 5)])
+    assert cache.stats().preserved_entries == 0
+
+
 def test_a_late_read_of_a_reused_block_serves_the_old_tenant_from_a_preserved_copy() -> None:
     with small_cache() as cache:
         cache.materialize(run_step(cache, [NewRequest("a", [0, 1])], reqs=[("a", [0, 1], 0, 8, 1)]), ["a"])

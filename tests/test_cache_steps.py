@@ -642,6 +642,22 @@ def test_close_releases_the_hit_reads_of_steps_never_consumed() -> None:
         cache.materialize(sid, ["b"])
 
 
+def test_a_step_is_awaited_once_its_save_returns_not_while_it_runs() -> None:
+    cache = small_cache(inline_write_bytes=0)
+    keep_aside, seen = cache._claims.keep_aside, []
+
+    def look_then_keep_aside(*args):
+        [sid] = cache.stats().steps_outstanding  # (issued, its claims made: the save is under way)
+        seen.append(cache.awaited(sid))
+        return keep_aside(*args)
+
+    cache._claims.keep_aside = look_then_keep_aside
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+    sid = cache.save(torch.ones(8, 2), {}, StepBatch(["a"], [8], np.arange(8)))
+    assert seen == [False] and cache.awaited(sid)
+    cache.close()
+
+
 def test_a_save_that_close_overtakes_after_its_claims_records_no_step() -> None:
     # close() lands (here: on the same thread, as another thread's would) after the save's
     # claims: its rows are still written, but its step is not recorded, as nothing can take it.

@@ -224,6 +224,28 @@ def test_returned_rows_that_share_the_caches_storage_fail_the_run(monkeypatch, s
     assert result.ok is not scribble, result.mismatches[:3]
 
 
+def test_steps_consumed_at_once_are_materialized_right_after_their_save() -> None:
+    config = EngineConfig(num_blocks=24, max_num_batched_tokens=96, consume_lag=0, inline_write_bytes=0)
+    engine = Engine(replace(config, model="prefix-hash"))
+    assert engine.cache is not None and engine.cache.config.inline_write_bytes == 0
+    log: list[tuple[str, object]] = []
+    save, materialize = engine.cache.save, engine.cache.materialize
+
+    def logged_save(*args):
+        step_id = save(*args)
+        log.append(("save", step_id))
+        return step_id
+
+    def logged_materialize(step_id, req_ids):
+        log.append(("materialize", step_id))
+        return materialize(step_id, req_ids)
+
+    engine.cache.save, engine.cache.materialize = logged_save, logged_materialize
+    engine.run(make_workload("chat", 10, 0))
+    saves = [i for i, (call, _) in enumerate(log) if call == "save"]
+    assert saves and all(log[i + 1] == ("materialize", log[i][1]) for i in saves), log[:6]
+
+
 def test_steps_consumed_three_late_keep_three_ids_outstanding() -> None:
     config = replace(CONFIG, consume_lag=3)
     cached, _ = runs(config)

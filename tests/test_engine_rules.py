@@ -51,6 +51,17 @@ def test_same_step_hit_on_blocks_scheduled_earlier_in_the_step() -> None:
     assert step.new[1][1][:2] == step.new[0][1][:2]
 
 
+def test_the_scheduler_counts_first_admissions_with_and_without_a_hit() -> None:
+    # (what `compare` checks the cache's hits and misses against; a one-block hit counts)
+    kv = KVCacheManager(16, BS, enable_prefix_caching=True)
+    sched = Scheduler(kv, max_num_batched_tokens=64, max_num_running=8)
+    sched.add(req("a", list(range(1, 9))))
+    sched.update(sched.schedule(0))
+    sched.add(req("b", [1, 2, 3, 4, 50, 51]))
+    assert [n for _, _, n in sched.schedule(1).new] == [BS]
+    assert (sched.num_new_hits, sched.num_new_misses) == (1, 1)
+
+
 def test_chunked_prefill_decode_and_finish() -> None:
     kv = KVCacheManager(32, BS, enable_prefix_caching=True)
     sched = Scheduler(kv, max_num_batched_tokens=16, max_num_running=8, long_prefill_tokens=6)

@@ -417,6 +417,9 @@ def test_tracker_refuses_what_is_not_a_scheduler_output_and_changes_nothing(not_
     fields = "scheduled_new_reqs, scheduled_cached_reqs, finished_req_ids"
     with pytest.raises(InvalidInputError, match=f"update takes vLLM's SchedulerOutput, got .* without {fields}"):
         t.update(not_an_output)
+    one_short = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached([]))
+    with pytest.raises(InvalidInputError, match=r"got SimpleNamespace without finished_req_ids$"):
+        t.update(one_short)
     assert list(t) == ["a"] and t.blocks("a") == [1]
 
 
@@ -558,6 +561,17 @@ def test_step_batch_refuses_a_token_scheduled_in_vllms_null_block() -> None:
     t.update(so)
     with pytest.raises(InvalidInputError, match=r"^request 'c': position 4 is scheduled in block 0"):
         step_batch(so, t, ["c"], 4)
+    # The second request's token, mid-block: d's slots 4 and 5 (slot 4 is block 1's first), then
+    # e's positions 5 and 6 in block 0 (slots 1 and 2).
+    so = so_of(new=[new_req("d", [1]), new_req("e", [5, 0], 5)], counts={"d": 2, "e": 2})
+    t.update(so)
+    with pytest.raises(InvalidInputError, match=r"^request 'e': position 5 is scheduled in block 0"):
+        step_batch(so, t, ["d", "e"], 4)
+
+
+def test_step_batch_of_a_step_without_rows_is_empty() -> None:
+    batch = step_batch(so_of(), BlockTracker(), [], 4)
+    assert batch.req_ids == [] and batch.slot_mapping.size == 0
 
 
 # ---- ranks and the mixin off the happy path ------------------------------------------------------
