@@ -67,7 +67,8 @@ bench: setup develop
     cargo bench -p pcache-core --bench core
     python benches/core_results.py
     python benches/save_overhead.py
-    .venv-bench/bin/python benches/step_overhead.py
+    .venv-bench/bin/python benches/step_overhead.py --first ours --out benches/results/step_overhead_ours_first.json
+    .venv-bench/bin/python benches/step_overhead.py --first theirs  # (each row in both orders: the README's ranges span both)
     .venv-bench/bin/python benches/step_overhead.py --sizes 8192 --malloc-reuse  # (writes benches/results/step_overhead_malloc_reuse.json)
     python benches/hashing.py
     python benches/engine.py

@@ -40,7 +40,8 @@ from _common import RESULTS, command, machine, write
 class BenchEngine(Engine):
     """The embedded engine without the differential harness's per-row reference recording or
     leftover checks: with the cache off, each request gets its rows as views of the forward's
-    output."""
+    output. (With the cache on it still notes each step's first positions and counts the
+    prefix rows returned, for `compare`'s counter check: about a microsecond per step.)"""
 
     verify_leftovers = False
 

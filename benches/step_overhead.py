@@ -22,7 +22,8 @@ bookkeeping), beside that gather run in omni_pcache's own step loop in place of 
 them), and the ratios ours/theirs. Both sides' outputs are
 checked against the expected full-sequence rows on a few steps, then overwritten, and the step
 after each is checked too (a wrong answer, or outputs that share a side's cache storage, fail
-the run). The sides take turns going first, from one step size and forward to the next.
+the run). The sides take turns going first, from one step size and forward to the next,
+starting with ``--first``: a second run with the other start measures every row in both orders.
 
 Each step runs as an engine runs it: begin, the forward, save, then materialize on the same
 thread. The forward is ``--forward-ms`` of GIL-releasing torch work that sweeps more memory
@@ -608,6 +609,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="measured steps per size (default 40; quick 6)")
     parser.add_argument("--no-theirs", action="store_true", help="skip the vLLM-Omni side")
     parser.add_argument(
+        "--first",
+        choices=("ours", "theirs"),
+        default="ours",
+        help="the side that goes first at the first step size and forward (they alternate from there): "
+        "run twice, once with each, so every row is measured in both orders",
+    )
+    parser.add_argument(
         "--sizes", type=int, nargs="+", default=None, help="step sizes in tokens (default 512 2048 8192)"
     )
     parser.add_argument(
@@ -669,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
             makers = [functools.partial(Ours, num_blocks, capacity)]
             if pc is not None:
                 makers.append(functools.partial(Theirs, pc, num_blocks, capacity))
-            if len(results) % 2:  # (the sides take turns going first: neither always finds the machine fresher)
+            if (len(results) % 2 == 1) != (args.first == "theirs"):  # (the sides take turns going first)
                 makers.reverse()
             row["order"] = []
             for make in makers:
@@ -696,6 +704,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch_threads": torch.get_num_threads(),
         "command": command(),
         "quick": args.quick,
+        "first": args.first,
         "workload": {
             "block_size": BLOCK,
             "num_blocks": num_blocks,

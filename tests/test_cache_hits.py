@@ -255,10 +255,8 @@ def test_close_keeps_the_rows_kept_aside_for_materializes_under_way(both: bool) 
 
 def test_a_late_read_of_a_reused_block_serves_the_old_tenant_from_a_preserved_copy() -> None:
     with small_cache() as cache:
-        cache.materialize(run_step(cache, [NewRequest("a", [0, 1])], reqs=[("a", [0, 1], 0, 8, 1)]), ["a"])
         # b hits a's block 0 in step 1; step 1 is materialized only after step 2 reused block 0.
-        hit_step = run_step(cache, [NewRequest("b", [0, 2], 4)], finished=["a"], reqs=[("b", [0, 2], 4, 3, 2)])
-        reuse_step = run_step(cache, [NewRequest("c", [0, 3])], finished=["b"], reqs=[("c", [0, 3], 0, 5, 3)])
+        hit_step, reuse_step = steps_with_rows_kept_aside(cache)
         result = {}
         t = threading.Thread(target=lambda: result.update(out=cache.materialize(hit_step, ["b"])))
         t.start()
@@ -288,9 +286,7 @@ def test_a_late_read_keeps_its_preserved_rows_while_another_thread_consumes_the_
     # discards the step that reused the block. The copy T needs must outlive that discard
     # (it was dropped once no step id was outstanding, though T's read was still under way).
     with small_cache() as cache:
-        cache.materialize(run_step(cache, [NewRequest("a", [0, 1])], reqs=[("a", [0, 1], 0, 8, 1)]), ["a"])
-        hit_step = run_step(cache, [NewRequest("b", [0, 2], 4)], finished=["a"], reqs=[("b", [0, 2], 4, 3, 2)])
-        reuse_step = run_step(cache, [NewRequest("c", [0, 3])], finished=["b"], reqs=[("c", [0, 3], 0, 5, 3)])
+        hit_step, reuse_step = steps_with_rows_kept_aside(cache)
         # (and a newer step still outstanding: the oldest step any read still needs is T's)
         later = run_step(cache, [NewRequest("e", [5])], reqs=[("e", [5], 0, 2, 4)])
         serving, go = threading.Event(), threading.Event()

@@ -344,22 +344,32 @@ def test_a_save_that_gets_no_device_budget_in_time_is_refused_and_loses_nothing(
 
 
 def test_a_failure_when_the_device_budget_wait_times_out_is_what_save_raises() -> None:
-    # The committer fails while b's save waits for device budget, and the wait ends at its
-    # deadline: save raises that failure (every call does), not a timeout that hides it.
+    # The committer's write of a's rows fails just as b's save, waiting for device budget,
+    # reaches its deadline: save raises that failure (every call does), not a timeout that
+    # hides it.
     with budget_of_one_step(claim_timeout_s=0.2) as cache:
         gate = threading.Event()
-        fill_the_budget(cache, lambda records, write: (gate.wait(10), write(records)))
+
+        def gated_then_failing(records, write):
+            gate.wait(10)
+            raise RuntimeError("injected: the write failed")
+
+        fill_the_budget(cache, gated_then_failing)
         wait = cache._deferred.budget.wait_for_room
 
         def fails_at_the_deadline(nbytes: int, deadline: float) -> bool:
-            fits = wait(nbytes, deadline)
-            cache._on_write_failure(-1, RuntimeError("injected: the committer failed"), "the committer")
+            fits = wait(nbytes, deadline)  # (a's write is held: no room comes in time)
+            gate.set()
+            with cache._cond:  # (the committer reports its write's failure)
+                assert cache._cond.wait_for(lambda: cache._failure is not None, 10)
             return fits
 
         cache._deferred.budget.wait_for_room = fails_at_the_deadline
-        with pytest.raises(WriteFailedError, match=r"the committer failed: RuntimeError\('injected"):
-            save(cache, [("b", [1], 0, 4, 2)], new=[NewRequest("b", [1])])
-        gate.set()
+        try:
+            with pytest.raises(WriteFailedError, match=r"failed: RuntimeError\('injected: the write failed"):
+                save(cache, [("b", [1], 0, 4, 2)], new=[NewRequest("b", [1])])
+        finally:
+            gate.set()
 
 
 @pytest.mark.parametrize(

@@ -165,5 +165,5 @@ def _null_block_error(
     position = int(starts[row]) + at - int(np.sum(counts[:row]))
     return InvalidInputError(
         f"request {req_ids[row]!r}: position {position} is scheduled in block 0, vLLM's null block "
-        "(a freed block's stand-in); the tracker's block list for it is out of step with the scheduler's"
+        "(a freed block's stand-in); the tracker's block list for it is likely out of step with the scheduler's"
     )
