@@ -7,7 +7,7 @@ copy per key, see `omni_pcache.copy_engine`), claims their slots in the ledger u
 write task per request (`omni_pcache.claims`), plans this step's hit reads, snapshots
 leftover mm and returns a step id. The committer thread writes the pool, except a small
 all-CPU step that save writes itself while the committer is idle (from copies of its own, not
-the page). `materialize` (any thread, possibly a step late) returns per request the cached
+the page: `omni_pcache.inline_writes`). `materialize` (any thread, possibly a step late) returns per request the cached
 prefix rows followed by this step's rows (assembled by `omni_pcache.outputs`); `discard`
 consumes a step id nobody needs.
 
@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from omni_pcache import copy_engine
 from omni_pcache._native import Deliveries, Ledger, StagingSlots, WriteTasks
 from omni_pcache.call_wrappers import outside_inference_mode, weakly
 from omni_pcache.claims import StepClaims
@@ -47,8 +46,9 @@ from omni_pcache.errors import (
 )
 from omni_pcache.events import NewRequest, ResumedRequest, StepBatch, StepEvents, StepOutputs
 from omni_pcache.failure import release_everything, write_failed_error
+from omni_pcache.inline_writes import InlineWrites
 from omni_pcache.key_storage import KeyStorage
-from omni_pcache.keys import KeyRegistry, StepKeys, row_bytes
+from omni_pcache.keys import KeyRegistry, row_bytes
 from omni_pcache.outputs import OutputBuilder, StepRecord
 from omni_pcache.pages import StagingPages
 from omni_pcache.pool import HostPool
@@ -87,6 +87,7 @@ class PrefixCache:
             self._tasks, self._ledger, self._staging, self._pool, self._preserved, self._cond, self._pages
         )
         self._storage = KeyStorage(self._pool, self._pages, self._writer.bytes_written)
+        self._inline = InlineWrites(config, self._writer, weakly(self._on_write_failure), weakly(self._failure_or_none))
         self._counters = Counters()
         failure_or_none = weakly(self._failure_or_none)
         self._records = WriteRecords(self._tasks, self._cond, failure_or_none, self._counters.waited)
@@ -307,8 +308,8 @@ class PrefixCache:
                 if not src.is_cuda:
                     sources[spec.name] = src
                 staged[spec.name] = src
-            small = self._small_cpu_step(shape.n, keys, sources)
-            if small and self._owns_rows(shape.n, keys) and (now := self._committer.hold_writer()):
+            small = self._inline.eligible(shape.n, keys, sources)
+            if small and self._inline.owns_rows(shape.n, keys) and (now := self._committer.hold_writer()):
                 arrays = own_copies(keys.immediate, staged)
                 if arrays is None:  # (rows numpy cannot show as they are: the page path below decides)
                     self._committer.release_writer()
@@ -340,7 +341,7 @@ class PrefixCache:
             if flushed:
                 self._committer.notify(flushed)
         # A small all-CPU step is written here, before its hits are planned, while the committer
-        # is idle: its tasks are never queued and no record of them is kept (see `_write_step_now`).
+        # is idle: its tasks are never queued and no record of them is kept (`omni_pcache.inline_writes`).
         own_write_failed = False
         try:
             if not now:  # (rows in the page: written here once their copies are done)
@@ -364,7 +365,7 @@ class PrefixCache:
                     self._on_write_failure(-1, exc, f"the copy of rows kept aside for pending reads (step {step_id})")
             else:
                 own_write_failed = (
-                    now and bool(task_ids) and self._write_step_now(step_id, page, shape, immediate, task_ids, arrays)
+                    now and bool(task_ids) and self._inline.write(step_id, page, shape, immediate, task_ids, arrays)
                 )
         finally:
             if now:
@@ -406,46 +407,6 @@ class PrefixCache:
             with contextlib.suppress(Exception):  # (a copy that fails leaves the page as undefined)
                 handle.wait()
         self._steps.abandon(step_id, page)
-
-    def _small_cpu_step(self, n: int, keys: StepKeys, sources: dict) -> bool:
-        """Whether save may write its step to the pool itself: a step whose rows all come from
-        CPU tensors, without deferred keys, under `CacheConfig.inline_write_bytes`."""
-        return (
-            not keys.deferred
-            and len(sources) == len(keys.immediate)
-            and n * keys.immediate_row_bytes < self._config.inline_write_bytes
-        )
-
-    @staticmethod
-    def _owns_rows(n: int, keys: StepKeys) -> bool:
-        """Whether save copies a small CPU step's rows (`_small_cpu_step`) into tensors of its own
-        (not the staging page) and writes the pool from them: each key's rows under
-        `copy_engine.INLINE_COPY_BYTES` (as for any copy save makes itself), of dtypes the native
-        write reads as they are (`row_arrays.numpy_rows`). Materialize then hands those copies
-        out as they are, for a step without hits returned whole, instead of copying the page
-        once more."""
-        return n * keys.max_row_bytes < copy_engine.INLINE_COPY_BYTES and keys.immediate_numpy_readable
-
-    def _write_step_now(
-        self, step_id: int, page: int, shape, immediate: list, task_ids: list[int], arrays: dict | None
-    ) -> bool:
-        """Writes the step's one new task (all its rows) to the pool on the engine thread,
-        holding the writer's lock (one native call: `PoolWriter.write_step_now`), from the step's
-        own copies' ``arrays`` (else from the staging page). Its hits are
-        planned after it, so they read these rows from the pool; nothing else can name the task
-        yet, so it is not recorded. Its own failure is made sticky, as the committer's are, and
-        raised by the next call: returns True then (save returns the step id, which holds
-        nothing); a write refused because the cache failed meanwhile returns False (save raises
-        that failure)."""
-        try:
-            self._writer.write_step_now(page, immediate, task_ids, [0], arrays)  # (one task: its rows from row 0)
-        except BaseException as exc:
-            failed_before = self._failure is not None
-            reqs = shape.claim_req_ids  # (the one task holds every request's rows)
-            what = f"request {reqs[0]!r}" if len(reqs) == 1 else f"requests {reqs[0]!r} to {reqs[-1]!r} ({len(reqs)})"
-            self._on_write_failure(task_ids[0], exc, f"{what}, step {step_id}")
-            return not failed_before
-        return False
 
     # ---- committer thread --------------------------------------------------------------
 

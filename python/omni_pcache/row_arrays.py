@@ -1,6 +1,6 @@
 """A small step's own copies of its rows, and their numpy arrays, which the native step write
 reads as they are (`_native.write_step_now`: each row's bytes, whatever they hold), without a
-uint8 view (see `PrefixCache._owns_rows`).
+uint8 view (see `InlineWrites.owns_rows`).
 
 After a forward, every distinct torch call costs several times its hot time; ``tensor.numpy()``
 is one call where `pool.row_bytes_view` (a reshape, a dtype view, then numpy) is three.
