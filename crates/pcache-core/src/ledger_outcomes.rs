@@ -1,6 +1,6 @@
 //! What ledger calls hand back: where a row is ([`Source`] and its numeric codes), what a
 //! claim found ([`ClaimOutcome`]) and a registered read ([`ReadPlan`], its per-slot sources
-//! built by [`Sources`]); plain data.
+//! built by `Sources`); plain data.
 
 use crate::ids::{ReadId, TaskId};
 
