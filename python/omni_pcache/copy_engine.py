@@ -198,7 +198,10 @@ class StepCopy:
             timing = self.engine.timing
             started = torch.cuda.Event(enable_timing=True) if timing else None
             done = host_waited_event(timing)
-            with torch.cuda.stream(stream):
+            # (the tensors' device current for the context too: leaving a stream context entered
+            # from another device sets that device again, and a thread that never set one would
+            # get a CUDA context on device 0, as in `deferred._on_device`)
+            with torch.cuda.device(device), torch.cuda.stream(stream):
                 if started is not None:  # right before the copies, as a raw copy would be timed
                     started.record(stream)
                 for dst, src in pairs:

@@ -189,31 +189,31 @@ class DeferredRecord:
         self.num_rows += count
 
     def prepare(self) -> None:
-        """Copies every key's rows to the host (committer): chunk by chunk, each in
+        """Copies every key's rows to the host (committer): chunk by chunk, a device chunk in
         ``copy_chunk_bytes`` pieces, straight from the clones (no device-side concatenation:
-        that would hold a second device copy of the record, outside the budget)."""
+        that would hold a second device copy of the record, outside the budget). Each chunk is
+        read on its own device: a key's steps may come from the CPU and a GPU in turn."""
         for spec in self.keys:
             chunks = self.chunks.get(spec.name, [])
             if not chunks:
                 self.host[spec.name] = torch.empty((0, *spec.row_shape), dtype=spec.dtype)
                 continue
-            first = chunks[0][0].tensor
-            if not first.is_cuda:
+            if not any(clone.tensor.is_cuda for clone, _, _ in chunks):
                 self.host[spec.name] = torch.cat([clone.rows(start, start + count) for clone, start, count in chunks])
                 continue
             # (pageable, as the pool is by default: the copies into it are synchronous anyway,
             # and a long request's record pinned would stay page-locked in torch's host cache,
             # rounded up to a power of two, for the life of the process)
-            host = torch.empty((self.num_rows, *first.shape[1:]), dtype=first.dtype)
+            host = torch.empty((self.num_rows, *spec.row_shape), dtype=spec.dtype)
             per_piece = max(1, self.copy_chunk_bytes // max(spec.row_bytes, 1))
             at = 0
-            with reading(first):
-                for clone, start, count in chunks:
-                    rows = clone.rows(start, start + count)
+            for clone, start, count in chunks:
+                rows = clone.rows(start, start + count)
+                with reading(rows):  # (the chunk's device and its clone-read stream; none on the CPU)
                     for offset in range(0, count, per_piece):
                         piece = min(per_piece, count - offset)
                         host[at + offset : at + offset + piece].copy_(rows[offset : offset + piece])
-                    at += count
+                at += count
             self.host[spec.name] = host
 
     def rows(self, spec: KeySpec, positions: torch.Tensor) -> torch.Tensor:
