@@ -89,11 +89,28 @@ SLEEP_CYCLES = 50_000_000  # ~25 ms of the compute stream: the save's copies wai
 BIG_ROWS, BIG_WIDTH = 16, 1 << 18  # 16 MiB of fp32: its copy takes a while
 
 
+def warm_up(cache, block: int, width: int = BIG_WIDTH, mm_rows: dict[str, torch.Tensor] | None = None) -> None:
+    """One save of the test's keys (fp32 ``hidden`` of ``width``, plus ``mm_rows``' keys) for a
+    request of its own on ``block``, consumed and written: the pinned staging pages are
+    allocated before the test's sleep. A page-locked allocation inside the measured save would
+    synchronize the device, ordering the copy after the forward even without the side stream's
+    wait, so an ordering test could not fail."""
+    cache.begin_step(StepEvents(new=[NewRequest("warm-up", [block])]))
+    mm = {name: torch.zeros((BS, *t.shape[1:]), dtype=t.dtype, device="cuda") for name, t in (mm_rows or {}).items()}
+    batch = StepBatch(["warm-up"], [BS], slots_of([block], 0, BS, BS))
+    sid = cache.save(torch.zeros(BS, width, device="cuda"), mm, batch)
+    cache.begin_step(StepEvents(finished=["warm-up"]))
+    cache.discard(sid)
+    cache.flush()
+    torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("fence", ["begin_step", "fence"])
 def test_the_fence_keeps_the_next_forward_off_rows_still_being_copied(fence: str) -> None:
     # (`fence` alone: a dummy forward, which no step begins, replaying the same CUDA graph)
     expected = torch.randn(BIG_ROWS, BIG_WIDTH)
     with small_cache() as cache:
+        warm_up(cache, block=8)
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2, 3])]))
         hidden = expected.to("cuda")
         torch.cuda._sleep(SLEEP_CYCLES)  # the forward still runs when save returns
@@ -110,6 +127,7 @@ def test_the_fence_keeps_the_next_forward_off_rows_still_being_copied(fence: str
 def test_a_dropped_output_is_not_reused_before_its_copy_read_it() -> None:
     expected = torch.randn(BIG_ROWS, BIG_WIDTH)
     with small_cache() as cache:
+        warm_up(cache, block=8)
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2, 3])]))
         hidden = expected.to("cuda")
         torch.cuda._sleep(SLEEP_CYCLES)
@@ -169,8 +187,8 @@ def test_the_save_copy_waits_for_rows_the_forward_is_still_writing() -> None:
     want = torch.randn(BIG_ROWS, BIG_WIDTH)
     src = want.to("cuda")
     hidden = torch.zeros_like(src)
-    torch.cuda.synchronize()
     with small_cache() as cache:
+        warm_up(cache, block=8)  # (synchronizes: src and hidden are written)
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2, 3])]))
         torch.cuda._sleep(SLEEP_CYCLES)
         hidden.copy_(src)  # (device to device, queued behind the sleep: nothing syncs before save)
@@ -189,8 +207,12 @@ def test_deferred_rows_are_read_only_once_the_forward_wrote_them() -> None:
     codes = torch.zeros_like(src)
     n = want.shape[0]
     blocks = list(range(n // BS))
-    torch.cuda.synchronize()
-    with small_cache(policy=policy, num_blocks=len(blocks) + 1, staging_capacity_tokens=n) as cache:
+    with small_cache(policy=policy, num_blocks=len(blocks) + 2, staging_capacity_tokens=n) as cache:
+        warm_up(
+            cache, block=len(blocks) + 1, width=2, mm_rows={"codes": src}
+        )  # (synchronizes: src and codes are written)
+        spare = torch.empty_like(src)  # (a block for the clone in the allocator's cache: no cudaMalloc in save either)
+        del spare
         cache.begin_step(StepEvents(new=[NewRequest("a", blocks)]))
         torch.cuda._sleep(SLEEP_CYCLES)
         codes.copy_(src)  # (device to device, queued behind the sleep: nothing syncs before save)
@@ -235,6 +257,32 @@ def test_deferred_rows_are_written_chunk_by_chunk_without_a_device_copy_of_the_r
         assert torch.cuda.max_memory_allocated() == start, "writing the record allocated device memory"
         # (its host copy is pageable: pinned, it would stay page-locked in torch's host cache)
         assert [h.shape for h in hosts] == [(12, 4)] and not hosts[0].is_pinned()
+        cache.begin_step(StepEvents(new=[NewRequest("b", [0, 1, 2, 3], 12)]))  # hits the 12 rows
+        codes = torch.full((1, 4), -5)
+        batch = StepBatch(["b"], [1], slots_of([0, 1, 2, 3], 12, 1, BS))
+        out = cache.materialize(cache.save(torch.ones(1, 2, device="cuda"), {"codes": codes.to("cuda")}, batch), ["b"])
+    assert torch.equal(out.mm["codes"]["b"], torch.cat([*expected, codes]))
+
+
+@pytest.mark.parametrize("devices", [("cpu", "cuda", "cpu"), ("cuda", "cpu", "cuda")], ids=["cpu-first", "cuda-first"])
+def test_a_deferred_record_over_steps_on_the_cpu_and_a_gpu_writes_every_row(devices: tuple[str, ...]) -> None:
+    # One request's deferred key saved from the CPU and from a GPU in turn (an engine that
+    # computes some steps' codes on the host): its record holds clones on both, and its write
+    # copies each chunk from its own device (the mixed record failed the cache, sticky).
+    policy = CachePolicy(token_keys={"codes"}, deferred_keys={"codes"})
+    with small_cache(policy=policy, copy_chunk_bytes=40) as cache:
+        expected = []
+        for step, device in enumerate(devices):
+            cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2])]) if step == 0 else StepEvents())
+            codes = torch.arange(step * 40, step * 40 + 16).reshape(4, 4)
+            expected.append(codes)
+            batch = StepBatch(["a"], [4], slots_of([0, 1, 2], 4 * step, 4, BS))
+            sid = cache.save(torch.ones(4, 2, device=device), {"codes": codes.to(device)}, batch)
+            assert torch.equal(cache.materialize(sid, ["a"]).mm["codes"]["a"], codes)
+        cache.begin_step(StepEvents(finished=["a"]))  # flushes the record
+        cache.flush()
+        stats = cache.stats()
+        assert (stats.tasks_live, stats.device_bytes) == (0, 0), stats
         cache.begin_step(StepEvents(new=[NewRequest("b", [0, 1, 2, 3], 12)]))  # hits the 12 rows
         codes = torch.full((1, 4), -5)
         batch = StepBatch(["b"], [1], slots_of([0, 1, 2, 3], 12, 1, BS))
@@ -307,7 +355,8 @@ import torch
 
 from omni_pcache import CacheConfig, CachePolicy, NewRequest, PrefixCache, StepBatch, StepEvents
 
-torch.cuda.set_device(1)
+if SET_DEVICE:
+    torch.cuda.set_device(1)
 policy = CachePolicy(token_keys={"codes"}, deferred_keys={"codes"})
 with PrefixCache(CacheConfig(num_blocks=8, block_size=4, staging_capacity_tokens=16), policy) as cache:
     cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
@@ -325,12 +374,15 @@ print("context on GPU 0:", torch._C._cuda_hasPrimaryContext(0))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_reading_clones_on_gpu_1_from_other_threads_creates_no_context_on_gpu_0() -> None:
+@pytest.mark.parametrize("set_device", [True, False], ids=["engine-thread-on-gpu-1", "no-device-set"])
+def test_reading_clones_on_gpu_1_from_other_threads_creates_no_context_on_gpu_0(set_device: bool) -> None:
     # A worker owning GPU 1 (a later pipeline stage, all GPUs visible): the materializing
     # thread and the committer, which never set a device, read its deferred clones; that must
     # not create a CUDA context on GPU 0 (hundreds of MiB of another worker's memory). A fresh
-    # process: this one has a context on GPU 0 already.
-    result = subprocess.run([sys.executable, "-c", TWO_GPU_SCRIPT], capture_output=True, text=True, timeout=300)
+    # process: this one has a context on GPU 0 already. Without ``set_device`` the saving
+    # thread's current device stays 0 too: save's side-stream copy must not set it on leaving.
+    script = f"SET_DEVICE = {set_device}\n{TWO_GPU_SCRIPT}"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "context on GPU 0: False" in result.stdout, result.stdout
 
@@ -355,12 +407,16 @@ def test_a_sparse_cuda_leftover_is_refused_and_the_save_holds_nothing(layout: st
 def test_cuda_saves_under_inference_mode_hand_out_plain_writable_tensors(policy) -> None:
     # vLLM's execute_model runs under torch.inference_mode(): the pinned pages, the pool and the
     # device clones made there must stay writable by the committer, and the outputs by anyone.
+    # The forward's outputs are inference tensors too, a leftover among them.
     with small_cache(policy=policy) as cache:
-        hidden = torch.randn(10, 16, device="cuda")
-        codes = torch.arange(10, device="cuda")
         with torch.inference_mode():
+            hidden = torch.randn(10, 16, device="cuda")
+            codes = torch.arange(10, device="cuda")
+            ref = torch.full((3,), 7.0, device="cuda")
+            assert hidden.is_inference() and codes.is_inference() and ref.is_inference()
             cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2])]))
-            sid = cache.save(hidden, {"codes": codes}, StepBatch(["a"], [10], slots_of([0, 1, 2], 0, 10, BS)))
+            batch = StepBatch(["a"], [10], slots_of([0, 1, 2], 0, 10, BS))
+            sid = cache.save(hidden, {"codes": codes, "ref": ref}, batch)
             cache.begin_step(StepEvents(finished=["a"]))  # (the fence; flushes deferred rows)
         out: dict = {}
         reader = threading.Thread(target=lambda: out.update(got=cache.materialize(sid, ["a"])))
@@ -369,6 +425,7 @@ def test_cuda_saves_under_inference_mode_hand_out_plain_writable_tensors(policy)
         cache.flush()
         got = out["got"]
         assert torch.equal(got.hidden["a"], hidden.cpu()) and torch.equal(got.mm["codes"]["a"], codes.cpu())
+        assert got.mm["ref"]["a"].device.type == "cpu" and torch.equal(got.mm["ref"]["a"], torch.full((3,), 7.0))
         for tensor in (got.hidden["a"], got.mm["codes"]["a"]):
             assert not tensor.is_inference()
             tensor.add_(1)
