@@ -29,6 +29,7 @@ from omni_pcache import (
     PrefixCache,
     StepEvents,
     StepIdError,
+    WriteFailedError,
 )
 from omni_pcache.vllm import (
     BlockTracker,
@@ -671,12 +672,64 @@ def test_a_dummy_runs_fence_makes_the_saved_outputs_the_runners_again(monkeypatc
         if dummy == "pcache_fence":
             runner.pcache_fence()  # the dummy run
         else:
+            threading.Timer(0.2, gate.set).start()  # (entering the warm-up flushes: the write must land)
             with runner.pcache_warmup():
                 runner.pcache_begin_step(scheduler_output(T, RECORDED[1]))  # (not tracked: would be refused)
         buffer.fill_(-1.0)  # its forward overwrites the output buffer
         gate.set()
         out = runner.pcache_materialize(step_id, ["A", "E"])
         assert torch.equal(torch.cat([out.hidden["A"], out.hidden["E"]]), expected)
+    finally:
+        runner.pcache_shutdown()
+
+
+def test_entering_a_warm_up_flushes_the_cache_before_its_graphs_are_captured() -> None:
+    # compile_or_warm_up_model captures CUDA graphs again at an elastic-EP rescale, in CUDA's
+    # global capture mode, which a device call of the committer during the capture would
+    # invalidate: pcache_warmup lets its body run only once every queued write has landed.
+    # (CPU stand-in: the committer's write is held back until 0.3 s after the warm-up is entered.)
+    runner = Runner("scheduler", "inline")
+    assert runner.pcache_init(**stage_configs(T), is_last_pipeline_stage=True, tensor_parallel_rank=0)
+    state = runner._pcache_state
+    state.config = dataclasses.replace(state.config, inline_write_bytes=0)  # (no step written inside save)
+    try:
+        with runner.pcache_warmup():  # (before the first step: no cache yet, nothing to flush)
+            pass
+        so = scheduler_output(T, RECORDED[0])
+        runner.pcache_begin_step(so)
+        gate = threading.Event()
+        write = runner.pcache._writer.write_batch
+        runner.pcache._writer.write_batch = lambda groups: (gate.wait(10), write(groups))
+        step_id = runner.pcache_save(torch.randn(18, 4), {}, so, ["A", "E"])
+        assert runner.pcache_stats().tasks_live > 0
+        threading.Timer(0.3, gate.set).start()
+        with runner.pcache_warmup():
+            with runner.pcache_warmup():  # (nested: the outer one flushed)
+                assert runner.pcache_stats().tasks_live == 0, "a write still queued when the warm-up's body ran"
+        runner.pcache_discard(step_id)
+    finally:
+        gate.set()
+        runner.pcache_shutdown()
+
+
+def test_a_warm_up_after_a_failed_write_runs_and_the_next_step_raises_the_failure() -> None:
+    runner = Runner("scheduler", "inline")
+    assert runner.pcache_init(**stage_configs(T), is_last_pipeline_stage=True, tensor_parallel_rank=0)
+    state = runner._pcache_state
+    state.config = dataclasses.replace(state.config, inline_write_bytes=0)  # (the committer writes)
+    try:
+        so = scheduler_output(T, RECORDED[0])
+        runner.pcache_begin_step(so)
+
+        def broken(groups) -> None:
+            raise OSError("disk on fire")
+
+        runner.pcache._writer.write_batch = broken
+        runner.pcache_save(torch.randn(18, 4), {}, so, ["A", "E"])
+        with runner.pcache_warmup():  # (its flush meets the failure: left to the next step's call)
+            pass
+        with pytest.raises(WriteFailedError, match="disk on fire"):
+            runner.pcache_begin_step(scheduler_output(T, RECORDED[1]))
     finally:
         runner.pcache_shutdown()
 

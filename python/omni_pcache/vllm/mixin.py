@@ -37,7 +37,7 @@ from typing import Any
 
 from omni_pcache.cache import PrefixCache
 from omni_pcache.config import CacheConfig, CachePolicy
-from omni_pcache.errors import ConfigError, StepIdError
+from omni_pcache.errors import ConfigError, StepIdError, WriteFailedError
 from omni_pcache.events import StepOutputs
 from omni_pcache.stats import CacheStats
 from omni_pcache.vllm.gate import cache_config_from_vllm, steps_in_flight
@@ -136,7 +136,16 @@ class PrefixCacheRunnerMixin:
         and again at an elastic-EP rescale) calls ``execute_model`` with ``dummy_run=False``. Inside
         it ``pcache_begin_step`` only fences (`pcache_fence`: the warm-up forward waits for the
         last real save's copies) and neither builds the cache nor tracks the requests, and
-        ``pcache_save`` returns ``None`` (nothing to consume). Engine thread; nests."""
+        ``pcache_save`` returns ``None`` (nothing to consume). Engine thread; nests.
+
+        Entering it (the outermost) first flushes a running cache: the CUDA graphs that
+        ``compile_or_warm_up_model`` captures again at a rescale are captured in CUDA's global
+        mode, which a device call of the committer during the capture would invalidate. A
+        failed cache is left to raise at the next step's call; `WriteTimeoutError` is raised."""
+        state = self._pcache_state
+        if not self._pcache_warmups and state is not None and isinstance(state.cache, PrefixCache):
+            with contextlib.suppress(WriteFailedError):  # (every later call of the cache raises it)
+                state.cache.flush()
         self._pcache_warmups += 1
         try:
             yield
