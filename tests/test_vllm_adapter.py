@@ -485,6 +485,8 @@ def test_slot_mapping_of_a_zero_count_row_needs_no_block() -> None:
     # neither reads past its list nor shifts row 1's slots.
     got = slot_mapping([[7], [3]], np.array([6, 0]), np.array([0, 2]), 4)
     assert got.tolist() == [12, 13]
+    # (as many rows as requests without one token each: not the one-token-per-request case)
+    assert slot_mapping([[1], [2], [3]], np.array([0, 0, 0]), np.array([0, 2, 1]), 4).tolist() == [8, 9, 12]
 
 
 def test_slot_mapping_refuses_a_short_block_list() -> None:
@@ -609,6 +611,7 @@ def test_the_mixin_is_a_no_op_on_other_ranks(rank) -> None:
     assert first != second
     out = runner.pcache_materialize(first, ["A", "E"])
     assert out.hidden is None and out.mm == {}
+    assert runner.pcache.awaited(second) is False  # (nothing is ever awaited off the output rank)
     runner.pcache_discard(second)
     runner.pcache_fence()
     assert not any(dataclasses.astuple(runner.pcache_stats())), "zero counters, nothing listed"
@@ -1129,20 +1132,84 @@ def test_steps_in_flight_follows_vllms_batch_queue(async_scheduling, pp: int, st
     assert steps_in_flight(T.SchedulerConfig(async_scheduling=async_scheduling), T.ParallelConfig(pp)) == steps
 
 
-def test_a_second_reset_does_not_count_the_steps_an_earlier_resume_settled() -> None:
+@pytest.mark.parametrize("runner", ["v2", "v1"])
+def test_a_second_reset_does_not_count_the_steps_an_earlier_resume_settled(runner: str) -> None:
     # Three steps in flight (pipeline parallelism). R's prompt step [4, 11) is dropped by a
     # reset; R resumes with its 11 tokens and a prompt chunk [4, 10); a second reset (after a
     # pause: that chunk's output arrived) resumes it again with the same 11 tokens. Only the
     # chunk may have been in flight then: the prompt step, before the first resume, is not
-    # counted again.
+    # counted again. (V2 sends a resume as a new request, V1 as a resumed cached one.)
     t = BlockTracker(steps_in_flight=3)
     prompt = list(range(1, 12))
+
+    def resumed(blocks: list[int], count: int):
+        if runner == "v2":
+            again = dataclasses.replace(new_req("R", blocks, 4), prefill_token_ids=prompt)
+            return so_of(preempted_req_ids={"R"}, new=[again], counts={"R": count})
+        entries = cached([("R", blocks, 4)], resumed={"R"})
+        entries.all_token_ids["R"] = list(prompt)
+        return so_of(preempted_req_ids={"R"}, cached=entries, counts={"R": count})
+
     t.update(so_of(new=[new_req("R", [1, 2, 3], 4)], counts={"R": 7}))
-    again = dataclasses.replace(new_req("R", [4, 5, 6], 4), prefill_token_ids=prompt)
-    t.update(so_of(preempted_req_ids={"R"}, new=[again], counts={"R": 6}))
+    t.update(resumed([4, 5, 6], 6))
     assert t.dropped_saves == {"R": 1}
-    t.update(so_of(preempted_req_ids={"R"}, new=[again], counts={"R": 5}))
+    t.update(resumed([7, 8, 9], 5))
     assert t.dropped_saves == {}
+
+
+@pytest.mark.parametrize(("awaited", "dropped"), [({7, 8}, {"R": 2}), ({8}, {"R": 1}), (set(), {})])
+def test_a_reset_drops_every_chunk_in_flight_from_the_first_not_taken(awaited: set[int], dropped) -> None:
+    # Four steps in flight. R's 20-token prompt runs in two chunks that sample nothing, [0, 8)
+    # (step 7) and [8, 16) (step 8), when a reset's output (admitting X) preempts it: outputs
+    # are taken in order, so every chunk from the first not taken yet was dropped, and its
+    # rows come again with R's resume (the tokens cannot tell: nothing was sampled).
+    t = BlockTracker(steps_in_flight=4)
+    t.update(so_of(new=[new_req("R", [1, 2, 3, 4])], counts={"R": 8}))
+    t.saved(t._recent[-1][0], 7)
+    t.update(so_of(cached=cached([("R", None, 8)]), counts={"R": 8}), awaited.__contains__)
+    t.saved(t._recent[-1][0], 8)
+    t.update(so_of(preempted_req_ids={"R"}, new=[new_req("X", [5])], counts={"X": 1}), awaited.__contains__)
+    entries = cached([("R", [6, 7], 0)], resumed={"R"})
+    entries.all_token_ids["R"] = list(range(20))
+    t.update(so_of(cached=entries, counts={"R": 8}))
+    assert t.dropped_saves == dropped
+
+
+def test_an_aborted_requests_id_resubmitted_is_not_in_the_old_requests_drop_mode() -> None:
+    # Four steps in flight. A reset preempts R with its chunk's step 7 outstanding (vLLM keeps
+    # R in drop mode while it is); R is aborted and its id resubmitted as a new request, which
+    # too few blocks then preempt normally while step 7 is still outstanding: the new R's
+    # output arrives (it is not the old R), so nothing of it is returned twice.
+    t = BlockTracker(steps_in_flight=4)
+    outstanding = {7, 9}
+    t.update(so_of(new=[new_req("R", [1, 2]), new_req("Q", [3])], counts={"R": 8, "Q": 2}))
+    t.saved(t._recent[-1][0], 7)
+    back = dataclasses.replace(new_req("R", [4, 5]), prefill_token_ids=list(range(20)))
+    t.update(so_of(preempted_req_ids={"R", "Q"}, new=[back], counts={"R": 6}), outstanding.__contains__)
+    t.saved(t._recent[-1][0], 8)
+    fresh = dataclasses.replace(new_req("R", [9]), prefill_token_ids=[1, 2, 3, 4])
+    t.update(so_of(finished={"R"}, new=[fresh, new_req("Q", [3])], counts={"R": 4, "Q": 2}), outstanding.__contains__)
+    t.saved(t._recent[-1][0], 9)
+    t.update(so_of(preempted_req_ids={"R"}, cached=cached([("Q", None, 2)]), counts={"Q": 1}), outstanding.__contains__)
+    entries = cached([("R", [6], 0)], resumed={"R"})
+    entries.all_token_ids["R"] = [1, 2, 3, 4, 5]  # (its output arrived: the sampled 5th token is there)
+    t.update(so_of(cached=entries, counts={"R": 5}))
+    assert t.dropped_saves == {}
+
+
+def test_a_reset_preempted_requests_taken_steps_are_forgotten() -> None:
+    # What the tracker keeps of a request a reset preempted (its steps still outstanding) is
+    # gone once those steps are taken: a second reset then finds nothing of it outstanding.
+    t = BlockTracker(steps_in_flight=3)
+    t.update(so_of(new=[new_req("R", [1])], counts={"R": 4}))
+    t.saved(t._recent[-1][0], 7)
+    t.update(so_of(preempted_req_ids={"R"}, new=[new_req("X", [2])], counts={"X": 1}), {7}.__contains__)
+    assert t._stale_steps == {"R": [7]}
+    entries = cached([("R", [3], 0)], resumed={"R"})
+    entries.all_token_ids["R"] = [1, 2, 3, 4]
+    t.update(so_of(cached=entries, counts={"R": 4}), {7}.__contains__)
+    t.update(so_of(preempted_req_ids={"R", "X"}, new=[new_req("Y", [4])], counts={"Y": 1}), lambda s: False)
+    assert t._stale_steps == {}
 
 
 @pytest.mark.parametrize(
