@@ -784,3 +784,19 @@ def test_a_close_nested_on_the_closing_thread_returns_at_once() -> None:
     closer.join(10)
     assert not closer.is_alive() and nested == ["returned"]
     assert cache.stats().tasks_live == 0
+
+
+def test_a_failed_batch_of_several_tasks_names_its_first_task() -> None:
+    # One step of two requests is one batch of two write tasks: the sticky failure names the
+    # batch's first task and its request.
+    with small_cache(inline_write_bytes=0) as cache:
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("injected: disk on fire")
+
+        cache._writer.write_step = broken
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0]), NewRequest("b", [1])]))
+        step = cache.save(torch.zeros(8, 2), None, StepBatch(["a", "b"], [4, 4], np.arange(8)))
+        with pytest.raises(WriteFailedError, match=rf"write task#0 \(request 'a', step {step}\)") as err:
+            cache.flush()
+        assert err.value.task_id == 0

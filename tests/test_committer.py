@@ -116,3 +116,21 @@ def test_close_returns_only_once_the_write_in_progress_has_landed() -> None:
     opener.join()
     assert stats.bytes_written == {"hidden": 6 * 2 * 4}, "close returned before the queued write landed"
     assert stats.tasks_live == 0
+
+
+def test_without_a_thread_save_never_writes_a_step_itself() -> None:
+    # threaded=False (debugging): every write goes through the committer's own loop, run
+    # inline when save queues it, even a step small enough for save to write while a committer
+    # thread is idle.
+    cache = small_cache(threaded=False, inline_write_bytes=1 << 20)
+    try:
+        assert cache._committer.hold_writer() is False
+        calls = []
+        write_now = cache._writer.write_step_now
+        cache._writer.write_step_now = lambda *args, **kwargs: (calls.append(1), write_now(*args, **kwargs))[1]
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        cache.discard(cache.save(torch.zeros(4, 2), None, StepBatch(["a"], [4], np.arange(4))))
+        assert calls == [] and cache.stats().tasks_live == 0
+        assert cache.stats().bytes_written == {"hidden": 4 * 2 * 4}
+    finally:
+        cache.close()

@@ -82,7 +82,8 @@ def test_deferred_rows_are_served_from_the_clone_then_flushed_at_finish() -> Non
 def test_the_budget_flushes_the_oldest_deferred_request_first() -> None:
     step_bytes = 4 * 2 * 8  # 4 rows of int64 (2,)
     # (room for two steps and a half: a third step's rows must not fit, half of them would)
-    with small_cache(policy=DEFERRED, device_budget_bytes=2 * step_bytes + step_bytes // 2) as cache:
+    budget = 2 * step_bytes + step_bytes // 2
+    with small_cache(policy=DEFERRED, device_budget_bytes=budget, claim_timeout_s=30) as cache:
         cache.discard(save(cache, [("a", [0], 0, 4, 1)], new=[NewRequest("a", [0])]))
         cache.discard(save(cache, [("b", [1], 0, 4, 2)], new=[NewRequest("b", [1])]))
         assert cache.stats().device_bytes == 2 * step_bytes
@@ -90,6 +91,8 @@ def test_the_budget_flushes_the_oldest_deferred_request_first() -> None:
         stats = cache.stats()
         assert stats.device_bytes == 2 * step_bytes, "a was flushed to make room for c"
         assert stats.bytes_written["codes"] == step_bytes and stats.num_waits == 1
+        # (woken when a's clone was released, not at the 30 s timeout: a liveness bound)
+        assert stats.wait_time_s < 15, stats
         # a keeps running: its next rows open a new deferred record, and a hit reads both.
         cache.discard(save(cache, [("a", [0, 3], 4, 2, 1)]))
         # e hits block 0, whose deferred rows a flushed to the pool.
@@ -688,3 +691,55 @@ def test_bad_dropped_saves_are_refused_changing_nothing(dropped_saves, message) 
         cache.begin_step(StepEvents(resumed=resumed))  # nothing dropped
         sid = cache.save(rows(2, 4, 1), {}, StepBatch(["a"], [1], slots_of([0, 1], 4, 1, BS)))
         assert torch.equal(cache.materialize(sid, ["a"]).hidden["a"], rows(2, 4, 1))
+
+
+def test_a_hit_on_an_open_record_gets_the_newest_row_of_a_slot_saved_twice() -> None:
+    # a's deferred hidden rows: slot 3 saved in one step, then again in the next (its row
+    # recomputed). b's hit over it is served from a's open record, later c's from the pool:
+    # both get the newest row.
+    policy = CachePolicy(deferred_keys=frozenset({"hidden"}))
+    with small_cache(policy=policy) as cache:
+        first = torch.arange(8.0)[:, None].repeat(1, 4)
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        cache.materialize(cache.save(first, None, StepBatch(["a"], [8], np.arange(8))), ["a"])
+        cache.begin_step(StepEvents())
+        cache.materialize(cache.save(torch.full((1, 4), 99.0), None, StepBatch(["a"], [1], np.array([3]))), ["a"])
+        cache.begin_step(StepEvents(new=[NewRequest("b", [0, 2], 4)]))
+        step = cache.save(torch.full((1, 4), -1.0), None, StepBatch(["b"], [1], np.array([8])))
+        assert cache.materialize(step, ["b"]).hidden["b"][:, 0].tolist() == [0, 1, 2, 99, -1], "from a's record"
+        cache.begin_step(StepEvents(finished=["a", "b"]))
+        cache.flush()
+        cache.begin_step(StepEvents(new=[NewRequest("c", [0, 3], 4)]))
+        step = cache.save(torch.full((1, 4), -2.0), None, StepBatch(["c"], [1], np.array([12])))
+        assert cache.materialize(step, ["c"]).hidden["c"][:, 0].tolist() == [0, 1, 2, 99, -2], "from the pool"
+
+
+def test_the_same_deferred_keys_in_another_dict_order_extend_the_open_record() -> None:
+    # The deferred keys follow the mm dict's order: a step listing them in another order is
+    # the same key set, so a's open record grows and is written in one go when a finishes.
+    policy = CachePolicy(cache_hidden=False, deferred_keys=frozenset({"codes", "audio"}))
+    with small_cache(policy=policy, inline_write_bytes=0) as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        mm = {"codes": torch.zeros(4, 3), "audio": torch.ones(4, 2)}
+        cache.discard(cache.save(None, mm, StepBatch(["a"], [4], np.arange(4))))
+        cache.begin_step(StepEvents())
+        mm = {"audio": torch.ones(2, 2), "codes": torch.zeros(2, 3)}
+        cache.discard(cache.save(None, mm, StepBatch(["a"], [2], np.arange(4, 6))))
+        cache.flush()
+        stats = cache.stats()
+        assert (stats.deferred_open, stats.device_bytes) == (1, 6 * (12 + 8)), stats
+        assert stats.bytes_written == {"codes": 0, "audio": 0}, "nothing written before a finishes"
+        cache.begin_step(StepEvents(finished=["a"]))
+        cache.flush()
+        assert cache.stats().bytes_written == {"codes": 6 * 12, "audio": 6 * 8}
+
+
+def test_a_hit_over_two_live_requests_open_records_reads_each() -> None:
+    # a computed block 0 and b, hitting it, block 1; both still run, so those deferred rows are
+    # in their open records' clones: c's hit over blocks 0 and 1 is served from both records.
+    with small_cache(policy=DEFERRED) as cache:
+        cache.discard(save(cache, [("a", [0], 0, 4, 1)], new=[NewRequest("a", [0])]))
+        cache.discard(save(cache, [("b", [0, 1], 4, 4, 2)], new=[NewRequest("b", [0, 1], 4)]))
+        assert cache.stats().deferred_open == 2
+        step = save(cache, [("c", [0, 1, 2], 8, 2, 3)], new=[NewRequest("c", [0, 1, 2], 8)])
+        check(cache.materialize(step, ["c"]), "c", (1, 0, 4), (2, 4, 4), (3, 8, 2))
