@@ -124,7 +124,10 @@ def test_without_a_thread_save_never_writes_a_step_itself() -> None:
     # thread is idle.
     cache = small_cache(threaded=False, inline_write_bytes=1 << 20)
     try:
-        assert cache._committer.hold_writer() is False
+        held = cache._committer.hold_writer()
+        if held:  # (released, or close would wait for it forever instead of the test failing)
+            cache._committer.release_writer()
+        assert held is False
         calls = []
         write_now = cache._writer.write_step_now
         cache._writer.write_step_now = lambda *args, **kwargs: (calls.append(1), write_now(*args, **kwargs))[1]

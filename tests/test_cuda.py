@@ -207,6 +207,7 @@ def test_deferred_rows_are_read_only_once_the_forward_wrote_them() -> None:
     codes = torch.zeros_like(src)
     n = want.shape[0]
     blocks = list(range(n // BS))
+    hidden = torch.ones(n, 2, device="cuda")  # (allocated before the sleep, as the forward's output is)
     with small_cache(policy=policy, num_blocks=len(blocks) + 2, staging_capacity_tokens=n) as cache:
         warm_up(
             cache, block=len(blocks) + 1, width=2, mm_rows={"codes": src}
@@ -216,7 +217,7 @@ def test_deferred_rows_are_read_only_once_the_forward_wrote_them() -> None:
         cache.begin_step(StepEvents(new=[NewRequest("a", blocks)]))
         torch.cuda._sleep(SLEEP_CYCLES)
         codes.copy_(src)  # (device to device, queued behind the sleep: nothing syncs before save)
-        sid = cache.save(torch.ones(n, 2, device="cuda"), {"codes": codes}, StepBatch(["a"], [n], np.arange(n)))
+        sid = cache.save(hidden, {"codes": codes}, StepBatch(["a"], [n], np.arange(n)))
         out = cache.materialize(sid, ["a"])  # (the saving thread, before the next begin_step)
         assert torch.equal(out.mm["codes"]["a"], want)
         # b hits a's blocks but the last while a is live: its rows come from a's device clone
@@ -267,8 +268,9 @@ def test_deferred_rows_are_written_chunk_by_chunk_without_a_device_copy_of_the_r
 @pytest.mark.parametrize("devices", [("cpu", "cuda", "cpu"), ("cuda", "cpu", "cuda")], ids=["cpu-first", "cuda-first"])
 def test_a_deferred_record_over_steps_on_the_cpu_and_a_gpu_writes_every_row(devices: tuple[str, ...]) -> None:
     # One request's deferred key saved from the CPU and from a GPU in turn (an engine that
-    # computes some steps' codes on the host): its record holds clones on both, and its write
-    # copies each chunk from its own device (the mixed record failed the cache, sticky).
+    # computes some steps' codes on the host): its record holds clones on both; a hit while it
+    # is live reads each chunk from its own device, and so does its write (cpu-first: the
+    # write's concatenation over mixed devices raised and failed the cache, sticky).
     policy = CachePolicy(token_keys={"codes"}, deferred_keys={"codes"})
     with small_cache(policy=policy, copy_chunk_bytes=40) as cache:
         expected = []
@@ -279,7 +281,12 @@ def test_a_deferred_record_over_steps_on_the_cpu_and_a_gpu_writes_every_row(devi
             batch = StepBatch(["a"], [4], slots_of([0, 1, 2], 4 * step, 4, BS))
             sid = cache.save(torch.ones(4, 2, device=device), {"codes": codes.to(device)}, batch)
             assert torch.equal(cache.materialize(sid, ["a"]).mm["codes"]["a"], codes)
-        cache.begin_step(StepEvents(finished=["a"]))  # flushes the record
+        cache.begin_step(StepEvents(new=[NewRequest("l", [0, 1, 2, 3], 12)]))  # hits a's open record
+        batch = StepBatch(["l"], [1], slots_of([0, 1, 2, 3], 12, 1, BS))
+        live = torch.full((1, 4), -7)
+        out = cache.materialize(cache.save(torch.ones(1, 2, device="cuda"), {"codes": live.to("cuda")}, batch), ["l"])
+        assert torch.equal(out.mm["codes"]["l"], torch.cat([*expected, live]))
+        cache.begin_step(StepEvents(finished=["a", "l"]))  # flushes the records
         cache.flush()
         stats = cache.stats()
         assert (stats.tasks_live, stats.device_bytes) == (0, 0), stats

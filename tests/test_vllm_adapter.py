@@ -654,7 +654,9 @@ def test_a_dummy_runs_fence_makes_the_saved_outputs_the_runners_again(monkeypatc
     # An idle data-parallel rank's dummy forward (no pcache_begin_step) or a warm-up's
     # (pcache_begin_step inside pcache_warmup) reuses the output buffer the last save's copy
     # reads: the fence first makes that copy land before the buffer is overwritten. (CPU
-    # stand-in: the copy goes to the committer, held back until after.)
+    # stand-in: the copy goes to the committer, held back until after the dummy run; in the
+    # warm-up variant the warm-up's flush waits for it, and the fence's epoch is what keeps
+    # materialize from reading the overwritten buffer in place.)
     from omni_pcache import copy_engine
 
     monkeypatch.setattr(copy_engine, "INLINE_COPY_BYTES", 0)

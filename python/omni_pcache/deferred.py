@@ -189,8 +189,8 @@ class DeferredRecord:
         self.num_rows += count
 
     def prepare(self) -> None:
-        """Copies every key's rows to the host (committer): chunk by chunk, a device chunk in
-        ``copy_chunk_bytes`` pieces, straight from the clones (no device-side concatenation:
+        """Copies every key's rows to the host (committer): chunk by chunk, in a key with any
+        device chunk each chunk in ``copy_chunk_bytes`` pieces, straight from the clones (no device-side concatenation:
         that would hold a second device copy of the record, outside the budget). Each chunk is
         read on its own device: a key's steps may come from the CPU and a GPU in turn."""
         for spec in self.keys:

@@ -49,6 +49,7 @@ use crate::slot_runs::{check_unique, split_runs, Run};
 mod reads;
 use reads::PendingRead;
 
+/// One task's claims on one key: the claimed slots in row order.
 ///
 /// A row still belongs to the task iff the slot's owner is the task and the row is the
 /// task's *last* row of that slot: only this task's claims make it the owner, and each

@@ -10,9 +10,10 @@ use crate::ledger_outcomes::{ClaimOutcome, Source};
 use crate::slot_runs::Run;
 
 /// Owner codes in the per-key owner column: nobody, the pool, or an in-transit task, named
-/// by its *handle*: `OWNER_TASK_BASE + i`, where `i` indexes [`Ledger`](crate::ledger::Ledger)'s handle table. A
-/// task gets a handle at its first claim and gives it back when it settles, when no slot
-/// names it any more. Four bytes per slot instead of a task id's eight.
+/// by its *handle*: `OWNER_TASK_BASE + i`, where `i` indexes the handle table of
+/// [`Ledger`](crate::ledger::Ledger). A task gets a handle at its first claim and gives it
+/// back when it settles, when no slot names it any more. Four bytes per slot instead of a
+/// task id's eight.
 pub(crate) const OWNER_ABSENT: u32 = 0;
 pub(crate) const OWNER_POOL: u32 = 1;
 pub(crate) const OWNER_TASK_BASE: u32 = 2;
