@@ -21,6 +21,7 @@ keep-aside copies in save do not wait for the committer's record copies).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 from collections.abc import Iterator
@@ -190,9 +191,10 @@ class DeferredRecord:
 
     def prepare(self) -> None:
         """Copies every key's rows to the host (committer): chunk by chunk, in a key with any
-        device chunk each chunk in ``copy_chunk_bytes`` pieces, straight from the clones (no device-side concatenation:
-        that would hold a second device copy of the record, outside the budget). Each chunk is
-        read on its own device: a key's steps may come from the CPU and a GPU in turn."""
+        device chunk each chunk in ``copy_chunk_bytes`` pieces, straight from the clones (no
+        device-side concatenation: that would hold a second device copy of the record, outside
+        the budget). Each run of chunks on one device is read there: a key's steps may come from
+        the CPU and a GPU in turn."""
         for spec in self.keys:
             chunks = self.chunks.get(spec.name, [])
             if not chunks:
@@ -207,13 +209,15 @@ class DeferredRecord:
             host = torch.empty((self.num_rows, *spec.row_shape), dtype=spec.dtype)
             per_piece = max(1, self.copy_chunk_bytes // max(spec.row_bytes, 1))
             at = 0
-            for clone, start, count in chunks:
-                rows = clone.rows(start, start + count)
-                with reading(rows):  # (the chunk's device and its clone-read stream; none on the CPU)
-                    for offset in range(0, count, per_piece):
-                        piece = min(per_piece, count - offset)
-                        host[at + offset : at + offset + piece].copy_(rows[offset : offset + piece])
-                at += count
+            for _, same_device in itertools.groupby(chunks, key=lambda chunk: chunk[0].tensor.device):
+                run = list(same_device)
+                with reading(run[0][0].tensor):  # (their device and its clone-read stream; none on the CPU)
+                    for clone, start, count in run:
+                        rows = clone.rows(start, start + count)
+                        for offset in range(0, count, per_piece):
+                            piece = min(per_piece, count - offset)
+                            host[at + offset : at + offset + piece].copy_(rows[offset : offset + piece])
+                        at += count
             self.host[spec.name] = host
 
     def rows(self, spec: KeySpec, positions: torch.Tensor) -> torch.Tensor:
