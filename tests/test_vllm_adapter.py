@@ -1289,6 +1289,34 @@ def test_a_normal_preemption_drops_while_a_resets_output_is_outstanding(still_ou
     assert t.dropped_saves == ({"R": 1} if still_out else {})
 
 
+@pytest.mark.parametrize("still_out", [True, False], ids=["stopped-turns-output-outstanding", "taken"])
+def test_a_preemption_drops_while_a_session_turns_stale_output_is_outstanding(still_out: bool) -> None:
+    # Four steps in flight. Session R's turn stops on the token its prompt step (5) sampled,
+    # with its decode step 6 in flight; its next chunk comes as new (continued) and computes
+    # [6, 12) of a 20-token prompt (step 7: samples nothing); then too few blocks preempt it (Q
+    # still running). While step 6 is outstanding vLLM keeps R in drop mode, so step 7's output
+    # (not taken either) is dropped and its rows come again with R's resume; once step 6 is
+    # taken, the preemption is normal. (Found by a soak of sessions with pipelines.)
+    t = BlockTracker(steps_in_flight=4)
+    outstanding = {6, 7} if still_out else {7}
+    t.update(so_of(new=[new_req("R", [1, 2]), new_req("Q", [3])], counts={"R": 5, "Q": 2}))
+    t.saved(t._recent[-1][0], 5)
+    t.update(so_of(cached=cached([("R", None, 5), ("Q", None, 2)]), counts={"R": 1, "Q": 1}))
+    t.saved(t._recent[-1][0], 6)
+    chunk = so_of(new=[new_req("R", [1, 2, 4], 6)], cached=cached([("Q", None, 3)]), counts={"R": 6, "Q": 1})
+    undo = t.update(chunk, outstanding.__contains__)
+    assert t.continued == {"R"} and t._stale_steps == ({"R": [6]} if still_out else {})
+    undo()
+    assert t._stale_steps == {} and t.continued == set()
+    t.update(chunk, outstanding.__contains__)
+    t.saved(t._recent[-1][0], 7)
+    t.update(so_of(preempted_req_ids={"R"}, cached=cached([("Q", None, 4)]), counts={"Q": 1}), outstanding.__contains__)
+    entries = cached([("R", [6, 7], 0)], resumed={"R"})
+    entries.all_token_ids["R"] = list(range(20))
+    t.update(so_of(cached=entries, counts={"R": 8}))
+    assert t.dropped_saves == ({"R": 1} if still_out else {})
+
+
 @pytest.mark.parametrize("steps", [0, -1, "2", 2.0, True])
 def test_a_tracker_refuses_steps_in_flight_that_is_not_an_int_from_one(steps) -> None:
     with pytest.raises(InvalidInputError, match=r"steps_in_flight must be an int >= 1"):

@@ -336,6 +336,48 @@ def test_random_workloads_with_sessions(seed: int) -> None:
     check_full_sequences(result)
 
 
+@pytest.mark.parametrize("seed", [32, 62, 221])
+def test_a_preemption_while_a_session_stops_outputs_are_in_flight_drops_too(seed: int) -> None:
+    """Streaming-input sessions under pipeline parallelism (V2 runner, async scheduling: three or
+    four steps in flight), most turns ending on a stop token, in a pool tight enough to preempt:
+    a turn's stop leaves the request in drop mode until the outputs then in flight are
+    processed, so a preemption before that drops the outputs in flight at it too, among them
+    its next chunk's first prefill rows (which sample nothing, so its tokens cannot tell).
+    Those rows come again with its resume (found by a soak of sessions with pipelines; each
+    seed lost them before)."""
+    rng = random.Random(7000 + seed)
+    pp, block_size = rng.choice([2, 3]), rng.choice([2, 4])
+    num_blocks, budget = rng.choice([48, 64, 96]), rng.choice([8, 16, 32])
+    stage = make_stage(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_batched_tokens=budget,
+        max_num_seqs=min(budget, rng.choice([4, 8])),
+        async_scheduling=True,
+        v2=True,
+        pipeline_parallel_size=pp,
+    )
+    quarter = (num_blocks - 1) * block_size // 4
+    bases = [tokens(rng, 24) for _ in range(2)]
+    reqs: list[Req] = []
+    for i in range(rng.randrange(4, 12)):
+        prompt = [*rng.choice(bases)[: rng.randrange(1, 24)], *tokens(rng, rng.randrange(1, 8))][:quarter]
+        arrival = rng.randrange(6)
+        r = Req(f"r{i}", prompt, max(1, min(rng.randrange(1, 12), quarter)), arrival)
+        if rng.random() < 0.7:  # a session: its first turn stops on its k-th sampled token
+            r.stop = continuation(prompt, len(prompt) + rng.randrange(1, r.max_tokens + 1))[-1]
+            t = arrival
+            for _ in range(rng.randrange(1, 3)):
+                t += rng.randrange(1, 10)
+                r.turns.append((tokens(rng, rng.randrange(4, 14)), rng.randrange(1, 8), t))
+            r.end_at = t + rng.randrange(25)
+        reqs.append(r)
+    result = run(stage, reqs, order_seed=seed, output_thread=rng.random() < 0.3)
+    check_full_sequences(result)
+    c = result.counters
+    assert c.session_chunks >= 1 and c.drop_mode_preemptions >= 1, c
+
+
 RESETS = pytest.mark.parametrize(
     "mode", ["sync", "async", "async-paused"], ids=["sync", "async-in-flight", "async-paused-first"]
 )

@@ -240,7 +240,9 @@ class Counters:
     first_computed: dict[str, int] = field(default_factory=dict)  # req_id -> its prefix-hit length
     preemptions: int = 0
     stale_preemptions: int = 0  # async: preempted while a step computing it was in flight
-    drop_mode_preemptions: int = 0  # ... by KV pressure while a reset's outputs in flight were not all processed
+    drop_mode_preemptions: int = (
+        0  # ... by KV pressure while a reset's or a stopped turn's outputs in flight were not all processed
+    )
     resumed_v1: int = 0  # resumed through resumed_req_ids
     resumed_v2: int = 0  # resumed by being sent again as new
     resumed_with_hit: int = 0

@@ -27,8 +27,9 @@ Two facts tell which outputs were dropped, outputs being processed in order:
   waiting ones, which vLLM never does with a normal preemption), every output from the first
   one not yet taken by ``materialize`` or ``discard`` (``awaited``) on: the scheduler cannot
   have processed an output that was not built. Likewise at a normal preemption while a step
-  that was in flight at the request's reset is still outstanding: vLLM keeps the request in
-  drop mode until those outputs are processed;
+  that was in flight at the request's reset, or when its streaming-input session's turn
+  stopped (its next chunk sent as new: `continued`), is still outstanding: vLLM keeps the
+  request in drop mode until those outputs are processed;
 - at the resume, the request's tokens (``all_token_ids`` for the V1 runner,
   ``prefill_token_ids`` for V2): an output that reached the consumer ended its span with a
   sampled token, so the spans ending at or past the token count were dropped.
@@ -171,8 +172,9 @@ class BlockTracker:
         # been in flight at their preemption, oldest first, and how many of the latest were
         # certainly dropped.
         self._spans_in_flight: dict[str, tuple[list[tuple[int, int, int | None]], int]] = {}
-        # Requests a reset preempted: the ids of their steps still outstanding since, whose
-        # outputs vLLM drops (while one is outstanding, a later preemption drops too).
+        # Requests a reset preempted, or whose session turn stopped: the ids of their steps
+        # still outstanding then, whose outputs vLLM drops (while one is outstanding, a later
+        # preemption drops too).
         self._stale_steps: dict[str, list[int]] = {}
 
     def saved(self, scheduler_output: Any, step_id: int | None) -> None:
@@ -290,6 +292,24 @@ class BlockTracker:
                     dropped_saves[req_id] = n
             replaced.append((req_id, before))
             blocks_of[req_id] = [] if blocks is None else blocks
+        # vLLM ends a session's turn in drop mode (_handle_stopped_request): the outputs then in
+        # flight are dropped (`StepEvents.dropped` returns their rows), and a preemption before
+        # they are all processed drops the outputs in flight at it too, as after a reset's. The
+        # request's steps not taken yet are noted as a reset's are (the undo puts back each entry).
+        stale_replaced: list[tuple[str, Any]] = []
+        if continued and awaited is not None and recent.maxlen:
+            for req_id in continued:
+                ids = [
+                    *stale.get(req_id, ()),
+                    *(s for past, s in recent if s is not None and past.num_scheduled_tokens.get(req_id)),
+                ]
+                outstanding = [step_id for step_id in dict.fromkeys(ids) if awaited(step_id)]
+                if outstanding or req_id in stale:
+                    stale_replaced.append((req_id, stale.get(req_id, _ABSENT)))
+                    if outstanding:
+                        stale[req_id] = outstanding
+                    else:
+                        del stale[req_id]
         for req_id, new_ids in cached_lists:
             if req_id in resumed:
                 replaced.append((req_id, blocks_of.get(req_id, _ABSENT)))
@@ -318,6 +338,11 @@ class BlockTracker:
                 recent.pop()
                 if dropped_out is not _ABSENT:
                     recent.appendleft(dropped_out)
+            for req_id, before_stale in reversed(stale_replaced):
+                if before_stale is _ABSENT:
+                    stale.pop(req_id, None)
+                else:
+                    stale[req_id] = before_stale
             if spans_before is not None and stale_before is not None:
                 spans.clear()
                 spans.update(spans_before)
