@@ -106,6 +106,12 @@ gpu-wheels: setup
 gpu-check:
     bash scripts/gpu_check.sh
 
+# The fast suite against the wheel under another CPython >= 3.10 (just test-python python3.12;
+# extra pins after it, e.g. "numpy<2"): see scripts/test-python.sh.
+[positional-arguments]
+test-python PYTHON *EXTRA: setup
+    bash scripts/test-python.sh "$@"
+
 # The vLLM adapter against vLLM 0.33's real types and its real scheduler, in a separate cached env (.venv-vllm: ~340 MB download once).
 test-vllm: setup develop
     bash scripts/setup-vllm.sh
