@@ -306,6 +306,17 @@ def test_random_workloads_with_resets(seed: int) -> None:
     check_full_sequences(result)
 
 
+def add_turns(rng: random.Random, r: Req, turns: int, gap: tuple[int, int], chunk: tuple[int, int]) -> None:
+    """Makes ``r`` a streaming-input session: ``turns`` more chunks, each of ``chunk`` tokens (a
+    randrange's bounds) arriving ``gap`` iterations (bounds) after the last, from its arrival,
+    each sampling up to 7; it ends up to 24 iterations after the last."""
+    t = r.arrival
+    for _ in range(turns):
+        t += rng.randrange(*gap)
+        r.turns.append((tokens(rng, rng.randrange(*chunk)), rng.randrange(1, 8), t))
+    r.end_at = t + rng.randrange(25)
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_random_workloads_with_sessions(seed: int) -> None:
     """Seeded mixes where half the requests are streaming-input sessions (up to three turns,
@@ -326,11 +337,7 @@ def test_random_workloads_with_sessions(seed: int) -> None:
         if rng.random() < 0.5:
             k = rng.randrange(1, r.max_tokens + 1)  # stop on the k-th token sampled in turn 1
             r.stop = continuation(prompt, len(prompt) + k)[-1] if rng.random() < 0.7 else None
-            t = arrival
-            for _ in range(rng.randrange(3)):
-                t += rng.randrange(1, 25)
-                r.turns.append((tokens(rng, rng.randrange(1, 8)), rng.randrange(1, 8), t))
-            r.end_at = t + rng.randrange(25)
+            add_turns(rng, r, rng.randrange(3), gap=(1, 25), chunk=(1, 8))
         reqs.append(r)
     result = run(stage, reqs, order_seed=seed, output_thread=rng.random() < 0.3)
     check_full_sequences(result)
@@ -366,11 +373,7 @@ def test_a_preemption_while_a_session_stops_outputs_are_in_flight_drops_too(seed
         r = Req(f"r{i}", prompt, max(1, min(rng.randrange(1, 12), quarter)), arrival)
         if rng.random() < 0.7:  # a session: its first turn stops on its k-th sampled token
             r.stop = continuation(prompt, len(prompt) + rng.randrange(1, r.max_tokens + 1))[-1]
-            t = arrival
-            for _ in range(rng.randrange(1, 3)):
-                t += rng.randrange(1, 10)
-                r.turns.append((tokens(rng, rng.randrange(4, 14)), rng.randrange(1, 8), t))
-            r.end_at = t + rng.randrange(25)
+            add_turns(rng, r, rng.randrange(1, 3), gap=(1, 10), chunk=(4, 14))
         reqs.append(r)
     result = run(stage, reqs, order_seed=seed, output_thread=rng.random() < 0.3)
     check_full_sequences(result)
