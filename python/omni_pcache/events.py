@@ -42,7 +42,8 @@ class StepEvents:
     that is not, or that is not live. ``dropped_saves`` maps a live request to how many of its
     latest saved steps' outputs never reached its consumer (vLLM's
     ``reset_prefix_cache(reset_running_requests=True)`` drops the outputs of the steps in
-    flight): every row those steps returned for it, prefix-hit rows included, is delivered
+    flight, and so does a preemption while a reset's or a stopped streaming turn's outputs
+    are outstanding): every row those steps returned for it, prefix-hit rows included, is delivered
     again, on the same conditions (no more than it had, at most ``_native.MAX_DROPPED_SAVES`` = 16; a
     request not saved since it entered has nothing to undo, and any count from 1 is a no-op)."""
 

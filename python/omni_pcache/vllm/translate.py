@@ -46,7 +46,8 @@ def step_events(scheduler_output: Any, tracker: BlockTracker) -> StepEvents:
         finished=sorted(so.finished_req_ids or ()),
         # Outputs vLLM dropped (drop_stale_output) after the cache counted their rows as delivered:
         # a streaming session's next chunk, rewound to the rows its consumer got (a no-op when
-        # nothing was dropped), and a request resumed after a reset dropped its steps in flight.
+        # nothing was dropped), and a request resumed after a preemption in drop mode (a reset's,
+        # or one while a reset's or a stopped turn's outputs were outstanding) dropped its steps in flight.
         dropped={r.req_id: int(r.num_computed_tokens) for r in so.scheduled_new_reqs if r.req_id in tracker.continued},
         dropped_saves=tracker.dropped_saves,
     )
