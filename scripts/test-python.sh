@@ -20,6 +20,7 @@ version=$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 }
 venv=.venv-py$version
 
+[ -x .venv/bin/maturin ] || bash scripts/setup.sh  # (maturin builds the wheel)
 wheels=$(mktemp -d)
 copy=$(mktemp -d)
 trap 'rm -rf "$wheels" "$copy"' EXIT
