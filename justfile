@@ -112,6 +112,12 @@ gpu-check:
 test-python PYTHON *EXTRA: setup
     bash scripts/test-python.sh "$@"
 
+# The real-scheduler harness over many seeds (two runs each: every axis at once, and sessions
+# under pipelines with preemption): just soak-vllm 3000 [FIRST seed] (~1.5 min per 1,000).
+soak-vllm SEEDS="2000" FIRST="0": setup develop
+    bash scripts/setup-vllm.sh
+    VLLM_TARGET_DEVICE=cpu OMNI_PCACHE_REQUIRE_VLLM=1 OMNI_PCACHE_VLLM_SOAK_SEEDS={{SEEDS}} OMNI_PCACHE_VLLM_SOAK_FIRST={{FIRST}} .venv-vllm/bin/python -m pytest -q -s tests/test_vllm_scheduler.py -k test_soak
+
 # The vLLM adapter against vLLM 0.33's real types and its real scheduler, in a separate cached env (.venv-vllm: ~340 MB download once).
 test-vllm: setup develop
     bash scripts/setup-vllm.sh

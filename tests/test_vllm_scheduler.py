@@ -17,6 +17,7 @@ so that none can pass trivially. Each runs with the scheduler talking to the V1 
 
 from __future__ import annotations
 
+import os
 import random
 import warnings
 
@@ -343,15 +344,10 @@ def test_random_workloads_with_sessions(seed: int) -> None:
     check_full_sequences(result)
 
 
-@pytest.mark.parametrize("seed", [32, 62, 221])
-def test_a_preemption_while_a_session_stops_outputs_are_in_flight_drops_too(seed: int) -> None:
-    """Streaming-input sessions under pipeline parallelism (V2 runner, async scheduling: three or
-    four steps in flight), most turns ending on a stop token, in a pool tight enough to preempt:
-    a turn's stop leaves the request in drop mode until the outputs then in flight are
-    processed, so a preemption before that drops the outputs in flight at it too, among them
-    its next chunk's first prefill rows (which sample nothing, so its tokens cannot tell).
-    Those rows come again with its resume (found by a soak of sessions with pipelines; each
-    seed lost them before)."""
+def pipeline_sessions(seed: int) -> tuple[d.Stage, list[Req], bool]:
+    """A seeded stage and requests: streaming-input sessions under pipeline parallelism (V2
+    runner, async scheduling: three or four steps in flight), most turns ending on a stop token,
+    in a pool tight enough to preempt; and whether its output thread builds the outputs."""
     rng = random.Random(7000 + seed)
     pp, block_size = rng.choice([2, 3]), rng.choice([2, 4])
     num_blocks, budget = rng.choice([48, 64, 96]), rng.choice([8, 16, 32])
@@ -375,7 +371,18 @@ def test_a_preemption_while_a_session_stops_outputs_are_in_flight_drops_too(seed
             r.stop = continuation(prompt, len(prompt) + rng.randrange(1, r.max_tokens + 1))[-1]
             add_turns(rng, r, rng.randrange(1, 3), gap=(1, 10), chunk=(4, 14))
         reqs.append(r)
-    result = run(stage, reqs, order_seed=seed, output_thread=rng.random() < 0.3)
+    return stage, reqs, rng.random() < 0.3
+
+
+@pytest.mark.parametrize("seed", [32, 62, 221])
+def test_a_preemption_while_a_session_stops_outputs_are_in_flight_drops_too(seed: int) -> None:
+    """`pipeline_sessions`: a turn's stop leaves the request in drop mode until the outputs then
+    in flight are processed, so a preemption before that drops the outputs in flight at it too,
+    among them its next chunk's first prefill rows (which sample nothing, so its tokens cannot
+    tell). Those rows come again with its resume (found by a soak of sessions with pipelines;
+    each seed lost them before)."""
+    stage, reqs, output_thread = pipeline_sessions(seed)
+    result = run(stage, reqs, order_seed=seed, output_thread=output_thread)
     check_full_sequences(result)
     c = result.counters
     assert c.session_chunks >= 1 and c.drop_mode_preemptions >= 1, c
@@ -475,3 +482,78 @@ def test_a_preemption_while_a_resets_outputs_are_in_flight_drops_too(seed: int) 
     result = run(stage, reqs, order_seed=seed, reset_at=resets)
     check_full_sequences(result)
     assert result.counters.drop_mode_preemptions >= 1, result.counters
+
+
+SOAK_SEEDS = int(os.environ.get("OMNI_PCACHE_VLLM_SOAK_SEEDS", "0"))
+SOAK_FIRST = int(os.environ.get("OMNI_PCACHE_VLLM_SOAK_FIRST", "0"))
+
+
+def run_or_stall(stage: d.Stage, reqs: list[Req], **kwargs) -> d.Result | None:
+    """`run`, or ``None`` where vLLM itself stalls: nothing running while sessions waiting for
+    their next chunk hold blocks the waiting queue's head needs (any other unfinished run fails)."""
+    try:
+        return run(stage, reqs, max_iters=3000, **kwargs)
+    except AssertionError as exc:
+        sched = stage.scheduler
+        held = not sched.running and len(getattr(sched, "kv_holding_waiting", ())) > 0
+        if held and "did not finish" in str(exc) and any(r.turns for r in reqs):
+            return None
+        raise
+
+
+def mixed_case(seed: int) -> d.Result | None:
+    """One seeded mix of every axis at once: 1 to 3 pipeline stages, either streaming sessions
+    (most turns stopping on a token) or resets (some after a pause), aborts, an output thread,
+    and outputs built as soon as the forward is done where nothing drops one then (the known
+    gap: no session, no reset between steps)."""
+    rng = random.Random(900_000 + seed)
+    pp = rng.choice([1, 1, 2, 3])
+    stage, block_size, num_blocks = random_stage(rng, [32, 48, 64, 96], async_share=0.7, pipeline_parallel_size=pp)
+    sessions = rng.random() < 0.5  # (vLLM cannot reset while sessions waiting for a chunk hold blocks)
+    reqs = random_requests(rng, block_size, num_blocks)
+    if sessions:  # (of prompts short enough that three turns still fit the pool)
+        for r in reqs:
+            if len(r.prompt) <= (num_blocks - 1) * block_size // 4 and rng.random() < 0.5:
+                r.stop = continuation(r.prompt, len(r.prompt) + rng.randrange(1, r.max_tokens + 1))[-1]
+                add_turns(rng, r, rng.randrange(1, 3), gap=(1, 15), chunk=(1, 8))
+    last = max(r.arrival for r in reqs) + 30
+    resets = set() if sessions else {rng.randrange(1, last) for _ in range(rng.randrange(0, 4))}
+    paused = {it for it in resets if rng.random() < 0.3}
+    if pp > 1 and not stage.vllm_config.scheduler_config.async_scheduling:
+        paused = resets  # (outputs built at once: the known gap)
+    early = None if sessions or resets - paused else rng.random() < 0.5
+    return run_or_stall(
+        stage,
+        reqs,
+        order_seed=seed,
+        output_thread=rng.random() < 0.3,
+        reset_at=frozenset(resets - paused),
+        pause_reset_at=frozenset(paused),
+        early_outputs=early,
+    )
+
+
+def sessions_case(seed: int) -> d.Result | None:
+    """`pipeline_sessions` of a soak seed."""
+    stage, reqs, output_thread = pipeline_sessions(100_000 + seed)
+    return run_or_stall(stage, reqs, order_seed=seed, output_thread=output_thread)
+
+
+@pytest.mark.skipif(SOAK_SEEDS == 0, reason="soak: run `just soak-vllm`")
+def test_soak() -> None:
+    """`just soak-vllm SEEDS FIRST`: `mixed_case` and `sessions_case` over seeds FIRST..
+    FIRST+SEEDS, every request's rows checked; runs vLLM itself stalls (`run_or_stall`) are
+    counted and named, not failed."""
+    checked, stalled = 0, []
+    for seed in range(SOAK_FIRST, SOAK_FIRST + SOAK_SEEDS):
+        for case in (mixed_case, sessions_case):
+            try:
+                result = case(seed)
+                if result is None:
+                    stalled.append(f"{case.__name__}({seed})")
+                    continue
+                checked += len(check_full_sequences(result))
+            except AssertionError as exc:
+                raise AssertionError(f"soak {case.__name__}({seed}): {exc}") from None
+    print(f"\nsoak: seeds {SOAK_FIRST}..{SOAK_FIRST + SOAK_SEEDS}: {checked} requests checked, 0 mismatches; ", end="")
+    print(f"{len(stalled)} runs stalled in vLLM (blocks held by waiting sessions): {stalled[:12]}")
