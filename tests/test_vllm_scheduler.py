@@ -281,6 +281,19 @@ def test_random_workloads(seed: int) -> None:
     check_full_sequences(result)
 
 
+def random_resets(rng: random.Random, stage: d.Stage, last: int, count: int) -> tuple[frozenset[int], frozenset[int]]:
+    """``count`` reset iterations drawn from ``[1, last)``: those between steps and those after a
+    pause (about 30%; every one where pipeline stages run without async scheduling, whose
+    steps in flight build their outputs at once: the known gap, see the README)."""
+    resets = {rng.randrange(1, last) for _ in range(count)}
+    paused = {it for it in resets if rng.random() < 0.3}
+    if stage.vllm_config.parallel_config.pipeline_parallel_size > 1 and not (
+        stage.vllm_config.scheduler_config.async_scheduling
+    ):
+        paused = resets
+    return frozenset(resets - paused), frozenset(paused)
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_random_workloads_with_resets(seed: int) -> None:
     """The seeded mixes of test_random_workloads with up to three
@@ -292,17 +305,9 @@ def test_random_workloads_with_resets(seed: int) -> None:
     stage, block_size, num_blocks = random_stage(rng, [24, 32, 48, 96], async_share=0.7, pipeline_parallel_size=pp)
     reqs = random_requests(rng, block_size, num_blocks)
     last = max(r.arrival for r in reqs) + 30
-    resets = {rng.randrange(1, last) for _ in range(rng.randrange(1, 4))}
-    paused = {it for it in resets if rng.random() < 0.3}
-    if pp > 1 and not stage.vllm_config.scheduler_config.async_scheduling:
-        paused = resets  # (steps in flight, their outputs built at once: the known gap, see the README)
+    reset_at, pause_reset_at = random_resets(rng, stage, last, rng.randrange(1, 4))
     result = run(
-        stage,
-        reqs,
-        order_seed=seed,
-        output_thread=rng.random() < 0.3,
-        reset_at=frozenset(resets - paused),
-        pause_reset_at=frozenset(paused),
+        stage, reqs, order_seed=seed, output_thread=rng.random() < 0.3, reset_at=reset_at, pause_reset_at=pause_reset_at
     )
     check_full_sequences(result)
 
@@ -517,18 +522,15 @@ def mixed_case(seed: int) -> d.Result | None:
                 r.stop = continuation(r.prompt, len(r.prompt) + rng.randrange(1, r.max_tokens + 1))[-1]
                 add_turns(rng, r, rng.randrange(1, 3), gap=(1, 15), chunk=(1, 8))
     last = max(r.arrival for r in reqs) + 30
-    resets = set() if sessions else {rng.randrange(1, last) for _ in range(rng.randrange(0, 4))}
-    paused = {it for it in resets if rng.random() < 0.3}
-    if pp > 1 and not stage.vllm_config.scheduler_config.async_scheduling:
-        paused = resets  # (outputs built at once: the known gap)
-    early = None if sessions or resets - paused else rng.random() < 0.5
+    reset_at, pause_reset_at = random_resets(rng, stage, last, 0 if sessions else rng.randrange(0, 4))
+    early = None if sessions or reset_at else rng.random() < 0.5
     return run_or_stall(
         stage,
         reqs,
         order_seed=seed,
         output_thread=rng.random() < 0.3,
-        reset_at=frozenset(resets - paused),
-        pause_reset_at=frozenset(paused),
+        reset_at=reset_at,
+        pause_reset_at=pause_reset_at,
         early_outputs=early,
     )
 
