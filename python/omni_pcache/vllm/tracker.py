@@ -244,9 +244,13 @@ class BlockTracker:
         # (the output this update pushes out of `recent`, put back by the undo)
         dropped_out = recent[0] if recent.maxlen and len(recent) == recent.maxlen else _ABSENT
         spans, stale = self._spans_in_flight, self._stale_steps
-        # (only preemptions, and finishes and entries of requests they noted, change these: a
-        # plain step copies nothing)
-        touched = (preempted and recent) or ((spans or stale) and (finished or resumed or so.scheduled_new_reqs))
+        # (only preemptions, finishes and entries of requests they noted, and a session's next
+        # chunk, sent as new, change these: a step without any copies nothing)
+        touched = (
+            (preempted and recent)
+            or ((spans or stale) and (finished or resumed or so.scheduled_new_reqs))
+            or (so.scheduled_new_reqs and recent)
+        )
         spans_before = dict(spans) if touched else None
         stale_before = dict(stale) if touched else None
         if spans_before is not None:
@@ -295,21 +299,17 @@ class BlockTracker:
         # vLLM ends a session's turn in drop mode (_handle_stopped_request): the outputs then in
         # flight are dropped (`StepEvents.dropped` returns their rows), and a preemption before
         # they are all processed drops the outputs in flight at it too, as after a reset's. The
-        # request's steps not taken yet are noted as a reset's are (the undo puts back each entry).
-        stale_replaced: list[tuple[str, Any]] = []
-        if continued and awaited is not None and recent.maxlen:
+        # request's steps not taken yet are noted as a reset's are (`touched`: the undo puts them back).
+        if continued and awaited is not None and recent:
             for req_id in continued:
                 ids = [
                     *stale.get(req_id, ()),
                     *(s for past, s in recent if s is not None and past.num_scheduled_tokens.get(req_id)),
                 ]
-                outstanding = [step_id for step_id in dict.fromkeys(ids) if awaited(step_id)]
-                if outstanding or req_id in stale:
-                    stale_replaced.append((req_id, stale.get(req_id, _ABSENT)))
-                    if outstanding:
-                        stale[req_id] = outstanding
-                    else:
-                        del stale[req_id]
+                if outstanding := [step_id for step_id in dict.fromkeys(ids) if awaited(step_id)]:
+                    stale[req_id] = outstanding
+                else:
+                    stale.pop(req_id, None)
         for req_id, new_ids in cached_lists:
             if req_id in resumed:
                 replaced.append((req_id, blocks_of.get(req_id, _ABSENT)))
@@ -338,11 +338,6 @@ class BlockTracker:
                 recent.pop()
                 if dropped_out is not _ABSENT:
                     recent.appendleft(dropped_out)
-            for req_id, before_stale in reversed(stale_replaced):
-                if before_stale is _ABSENT:
-                    stale.pop(req_id, None)
-                else:
-                    stale[req_id] = before_stale
             if spans_before is not None and stale_before is not None:
                 spans.clear()
                 spans.update(spans_before)
