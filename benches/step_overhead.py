@@ -188,9 +188,15 @@ def check(label: str, st: Step, want: dict, got_h: dict, got_m: dict) -> None:
 class Ours:
     name = "omni_pcache"
 
-    def __init__(self, num_blocks: int, capacity: int) -> None:
+    def __init__(self, num_blocks: int, capacity: int, prefetch: bool = True) -> None:
         self.cache = PrefixCache(
-            CacheConfig(num_blocks=num_blocks, block_size=BLOCK, staging_depth=4, staging_capacity_tokens=capacity)
+            CacheConfig(
+                num_blocks=num_blocks,
+                block_size=BLOCK,
+                staging_depth=4,
+                staging_capacity_tokens=capacity,
+                prefetch_hits=prefetch,
+            )
         )
 
     def begin(self, st: Step) -> None:
@@ -476,7 +482,7 @@ def gather_in_loop_reference(
         pools.append(torch.ones((num_blocks * BLOCK, w), dtype=dtype))
     for pool, src in zip(pools, rows.step(warm), strict=True):  # the shared prefixes, as the warm-up wrote them
         pool[torch.from_numpy(warm.slots)] = src
-    side = Ours(num_blocks, capacity)
+    side = Ours(num_blocks, capacity, prefetch=False)  # (no materialize: nothing to prefetch for)
     kept = None
     times = []
     gc.collect()
@@ -626,6 +632,11 @@ def main(argv: list[str] | None = None) -> int:
         help="ms of GIL-releasing torch work between begin and save, as a forward (default: 0 and 5)",
     )
     parser.add_argument(
+        "--no-prefetch",
+        action="store_true",
+        help="run omni_pcache with CacheConfig.prefetch_hits=False (its hits gathered inside materialize)",
+    )
+    parser.add_argument(
         "--malloc-reuse",
         action="store_true",
         help="rerun under glibc settings that reuse freed blocks over 32 MiB (see MALLOC_REUSE)",
@@ -674,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
                 "step_bytes": step_bytes,
                 "warmup_steps": warmup,
             }
-            makers = [functools.partial(Ours, num_blocks, capacity)]
+            makers = [functools.partial(Ours, num_blocks, capacity, not args.no_prefetch)]
             if pc is not None:
                 makers.append(functools.partial(Theirs, pc, num_blocks, capacity))
             if (len(results) % 2 == 1) != (args.first == "theirs"):  # (the sides take turns going first)
@@ -715,6 +726,7 @@ def main(argv: list[str] | None = None) -> int:
             "mm": {MM_KEY: {"dtype": str(MM_DTYPE), "width": MM_WIDTH}},
             "steps_per_size": num_steps,
             "forward_ms": forwards,
+            "prefetch_hits": not args.no_prefetch,
         },
         # (what this process runs under: --malloc-reuse has re-executed it with MALLOC_REUSE)
         "malloc": " ".join(f"{k}={os.environ[k]}" for k in MALLOC_REUSE if k in os.environ) or "glibc defaults",

@@ -52,6 +52,7 @@ from omni_pcache.keys import KeyRegistry, row_bytes
 from omni_pcache.outputs import OutputBuilder, StepRecord
 from omni_pcache.pages import StagingPages
 from omni_pcache.pool import HostPool
+from omni_pcache.prefetch import HitPrefetcher
 from omni_pcache.preserve import PreservedRows
 from omni_pcache.reads import HitRead, HitReader
 from omni_pcache.row_arrays import own_copies
@@ -143,6 +144,10 @@ class PrefixCache:
             self._tasks, weakly(self._write_tasks), weakly(self._on_write_failure), config.threaded
         )
         self._finalizer = weakref.finalize(self, self._committer.stop, config.claim_timeout_s)
+        submit = self._committer.submit if config.prefetch_hits else lambda job: False
+        self._prefetch = HitPrefetcher(
+            self._ledger, self._pool, submit, config.block_size, config.staging_capacity_tokens
+        )
 
     # ---- context manager and lifecycle -------------------------------------------------
 
@@ -238,9 +243,11 @@ class PrefixCache:
         resumed = as_list(events.resumed, "StepEvents.resumed")
         dropped = as_id_map(events.dropped, "StepEvents.dropped")
         dropped_saves = as_id_map(events.dropped_saves, "StepEvents.dropped_saves", "numbers of saves")
-        hits, misses, reentered = self._delivery.begin(
+        hits, misses, reentered, planned = self._delivery.begin(
             finished, new, resumed, NewRequest, ResumedRequest, self._config.num_blocks, dropped, dropped_saves
         )
+        if planned:  # (off the engine thread, during the forward: `omni_pcache.prefetch`)
+            self._prefetch.start(planned)
         self._requests_live = len(self._delivery)  # (for `stats` on any thread: `Deliveries` is the engine thread's)
         flushed = 0
         try:
@@ -376,11 +383,15 @@ class PrefixCache:
             # raised by the next call)
             failure = self._failure
             if failure is None and self._closed:  # (no step id is consumed after close: none is recorded)
+                self._prefetch.clear()
                 self._delivery.take_step(shape.rows)
                 self._steps.discard_at_close(step_id)
             elif failure is None:
                 rows, reads = self._delivery.take_step(shape.rows)
                 hits: dict[str, HitRead] = {req: self._reader.plan(req, read, specs) for req, read in reads.items()}
+                if self._prefetch.pending:
+                    self._prefetch.attach(hits, reads)
+                self._prefetch.specs = specs  # (the keys the next step's hits are prefetched under)
                 self._steps.records[step_id] = StepRecord(
                     step_id, page, handle, shape.n, shape.n_padded, rows, list(cached), hits, kept_leftover, clones,
                     sources, staged, threading.get_ident(), self._copies.epoch, keys.max_row_bytes, arrays is not None,
@@ -495,6 +506,7 @@ class PrefixCache:
             rows_from_pool=c.rows_from_pool,
             rows_in_flight=c.rows_in_flight,
             rows_preserved=c.rows_preserved,
+            rows_prefetched=c.rows_prefetched,
             bytes_written=dict(self._writer.bytes_written),
             num_waits=c.num_waits,
             wait_time_s=c.wait_time_s,

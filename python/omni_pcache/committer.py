@@ -8,6 +8,9 @@ no GIL contention); when the committer is writing, the step is queued for it ins
 ``threaded=False`` runs the committer's loop inline, on the caller's thread, until the queues
 are empty, for every step (debugging; the engine thread then pays for every pool write).
 
+Between batches the committer also runs side jobs the engine thread hands it (`submit`: a
+hit prefetch, `omni_pcache.prefetch`), outside the write lock, writes first: a job only reads.
+
 A batch that raises is reported to ``on_failure`` with its first task (which makes the cache's
 failure sticky and releases everything); the committer then keeps draining so every queued
 task is settled. If the committer's own loop raises, that is reported with task id -1 and
@@ -19,11 +22,23 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from omni_pcache._native import WriteTasks
 
 logger = logging.getLogger("omni_pcache")
+
+
+class SideJob(Protocol):
+    """Work the committer runs between write batches (`Committer.submit`)."""
+
+    def run(self) -> None:
+        """Runs the job (the committer thread; must not raise)."""
+
+    def cancel(self) -> None:
+        """Gives the job up, unless it is running or done (the committer stopping)."""
 
 
 class Committer:
@@ -58,6 +73,7 @@ class Committer:
         # new entries or the notifier sees the flag.
         self._sleeping = False
         self._stopping = False
+        self._jobs: deque[SideJob] = deque()  # side jobs, run in order after the queued writes
         self._thread: threading.Thread | None = None
         if threaded:
             self._thread = threading.Thread(target=self._run, name="omni-pcache-committer", daemon=True)
@@ -77,6 +93,35 @@ class Committer:
             # before close): written here, after the thread's last batch (the write lock), so
             # close's "writes what is queued" holds for them too.
             self._drain()
+
+    def submit(self, job: SideJob) -> bool:
+        """Queues a side job (engine thread) and wakes the committer if it sleeps; false, and
+        nothing queued, when there is no committer thread or it is stopping. The same
+        flag-then-check ordering as `notify` keeps a job from waiting for the next wake-up."""
+        if not self._threaded or self._stopping:
+            return False
+        self._jobs.append(job)
+        if self._sleeping:
+            self._wake_up()
+        return True
+
+    def _run_jobs(self) -> None:
+        """Runs the queued side jobs, the writes queued meanwhile first (the committer)."""
+        while self._jobs:
+            try:
+                job = self._jobs.popleft()
+            except IndexError:  # (cancelled by stop meanwhile)
+                return
+            job.run()
+            if self._tasks.num_queue_entries:
+                self._drain()
+
+    def _cancel_jobs(self) -> None:
+        while self._jobs:
+            try:
+                self._jobs.popleft().cancel()
+            except IndexError:
+                return
 
     def _wake_up(self) -> None:
         """Makes one wake-up pending (any thread); a second before the committer takes the first
@@ -131,19 +176,22 @@ class Committer:
     def _loop(self) -> None:
         while True:
             self._sleeping = True
-            if not self._stopping and self._tasks.num_queue_entries == 0:
+            if not self._stopping and self._tasks.num_queue_entries == 0 and not self._jobs:
                 self._wake.acquire()
             self._sleeping = False
             self._drain()
             if self._stopping:
+                self._cancel_jobs()
                 self._drain()
                 return
+            self._run_jobs()
 
     def stop(self, timeout_s: float) -> None:
         """Writes what is queued, then ends the thread. Idempotent. On the committer thread
         itself (a cache dropped while its write held the last reference is collected there) the
         thread ends after the batch it is writing, not waited for."""
         self._stopping = True
+        self._cancel_jobs()
         if self._thread is not None:
             self._wake_up()
             if self._thread is not threading.current_thread():

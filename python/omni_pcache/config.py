@@ -45,6 +45,12 @@ class CacheConfig:
     pinned staging pages, and the committer scatters them into the pool on the CPU), while
     torch's pinned allocator rounds every allocation up to a power of two (a 9 GiB pool would
     page-lock 16 GiB) and allocates it on the engine thread at the key's first save.
+
+    ``prefetch_hits``: at `PrefixCache.begin_step`, hand the committer thread a gather of each
+    new hit's committed prefix rows, which it runs during the forward (`omni_pcache.prefetch`),
+    so `materialize` finds them gathered, usually into the very tensor it returns. Costs the
+    engine thread one wake-up of the committer per step with new hits, and the committer's
+    core the gather; rows are served exactly as without it. Needs ``threaded``.
     """
 
     num_blocks: int
@@ -58,6 +64,7 @@ class CacheConfig:
     threaded: bool = True
     inline_write_bytes: int = 256 * 1024
     pin_pool: bool = False
+    prefetch_hits: bool = True
 
     def __post_init__(self) -> None:
         positive = {
@@ -74,7 +81,7 @@ class CacheConfig:
         for name, most in (("staging_depth", MAX_STAGING_DEPTH), ("staging_capacity_tokens", MAX_STAGING_TOKENS)):
             if getattr(self, name) > most:
                 raise ConfigError(f"CacheConfig.{name} must be at most {most:,}, got {getattr(self, name)!r}")
-        for name in ("threaded", "pin_pool"):
+        for name in ("threaded", "pin_pool", "prefetch_hits"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"CacheConfig.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("device_budget_bytes", "max_preserved_rows", "inline_write_bytes"):

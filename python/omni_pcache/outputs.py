@@ -11,8 +11,10 @@ handed out as they are when the step has no hits and is returned whole.
 The requests' tensors of a key are slices of one new host tensor per chunk of requests, as a
 batch's rows are slices of the batch: one allocation and, for consecutive requests without
 hits, one copy per key instead of one per request. A chunk holds consecutive requests up to
-`OUTPUT_CHUNK_BYTES` per key (a larger request gets a chunk of its own). Every returned tensor
-is the caller's to keep or write; keeping one keeps its chunk's memory.
+`OUTPUT_CHUNK_BYTES` per key (a larger request gets a chunk of its own). A hit whose prefix
+rows a prefetch gathered into tensors with room for every row the request returns (less than
+a block to spare) gets those tensors instead, as a chunk of its own (`omni_pcache.prefetch`).
+Every returned tensor is the caller's to keep or write; keeping one keeps its chunk's memory.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from omni_pcache.config import HIDDEN
 from omni_pcache.copy_engine import CopyEngine, CopyHandle, host_copy
 from omni_pcache.deferred import Clone, reading
 from omni_pcache.events import StepOutputs
+from omni_pcache.prefetch import Prefetched
 from omni_pcache.reads import HitRead, HitReader
 from omni_pcache.snapshot import is_per_row
 from omni_pcache.stats import Counters
@@ -38,6 +41,19 @@ OUTPUT_CHUNK_BYTES = 16 << 20
 of up to 32 MiB back from memory it already touched once one such was freed; a larger one is a
 fresh mapping that pays a page fault per 4 KiB it is written (measured: one 42 MB output per
 key at 8,192 tokens made materialize 2x slower than per-request tensors of ~6 MiB)."""
+
+
+def chunks_around(sizes: Sequence[int], row_bytes: int, own: Sequence[int]) -> list[tuple[int, int]]:
+    """`output_chunks` of the requests between those at the ascending indices ``own``, which
+    get a chunk of their own each, in request order."""
+    bounds: list[tuple[int, int]] = []
+    start = 0
+    for i in (*own, len(sizes)):
+        bounds.extend((start + a, start + b) for a, b in output_chunks(sizes[start:i], row_bytes))
+        if i < len(sizes):
+            bounds.append((i, i + 1))
+        start = i + 1
+    return bounds
 
 
 def output_chunks(sizes: Sequence[int], row_bytes: int) -> list[tuple[int, int]]:
@@ -132,11 +148,22 @@ class OutputBuilder:
                     for a, b in bounds
                 ]
         else:
+            prefetched: list[Prefetched | None] = [None] * len(req_ids)
+            own: dict[int, dict[str, torch.Tensor]] = {}  # requests handed their prefetch's tensors
             if hits is not None:
                 sizes = [size + (hit.num_rows if hit else 0) for size, hit in zip(sizes, hits, strict=True)]
-            bounds = output_chunks(sizes, record.row_bytes)
+                for i, hit in enumerate(hits):
+                    if hit is not None and hit.prefetched is not None:
+                        prefetched[i] = pre = hit.prefetched.result(self._timeout_s)
+                        if pre is not None and (rows := _own_rows(pre, sizes[i], sources)) is not None:
+                            own[i] = rows
+            bounds = (
+                chunks_around(sizes, record.row_bytes, list(own)) if own else output_chunks(sizes, record.row_bytes)
+            )
             chunks = [
-                {
+                own[a]
+                if b == a + 1 and a in own
+                else {
                     name: torch.empty((sum(sizes[a:b]), *src.shape[1:]), dtype=src.dtype, device="cpu")
                     for name, src in sources.items()
                 }
@@ -144,7 +171,7 @@ class OutputBuilder:
             ]
             # Hit rows first: they come from the pool, so this step's own copy (run by the
             # committer meanwhile) is usually done by the time its rows are needed.
-            runs = self._serve_hits(record, req_ids, spans, hits, bounds, chunks)
+            runs = self._serve_hits(record, req_ids, spans, hits, bounds, chunks, prefetched)
             self._wait_copy(record, in_place)
             for out, chunk_runs in zip(chunks, runs, strict=True):  # this step's rows behind the hits'
                 for begin, at, rows in chunk_runs:
@@ -175,7 +202,7 @@ class OutputBuilder:
         elif record.leftover:
             record.handle.wait_device()
 
-    def _serve_hits(self, record, req_ids, spans, hits, bounds, chunks) -> list[list[tuple[int, int, int]]]:
+    def _serve_hits(self, record, req_ids, spans, hits, bounds, chunks, prefetched) -> list[list[tuple[int, int, int]]]:
         """Gathers each hit's rows into the front of its request's rows in its chunk, and plans
         the copies of this step's rows behind them: per chunk, ``(first source row, first
         output row, rows)`` runs, consecutive requests without hits coalesced into one."""
@@ -186,7 +213,8 @@ class OutputBuilder:
             for i in range(a, b):
                 hit = hits[i] if hits is not None else None
                 if hit is not None:
-                    self._serve_hit(record, req_ids[i], hit, {k: o[at : at + hit.num_rows] for k, o in out.items()})
+                    into = {k: o[at : at + hit.num_rows] for k, o in out.items()}
+                    self._serve_hit(record, req_ids[i], hit, into, prefetched[i])
                     at += hit.num_rows
                 start, count, drop = spans[i]
                 if count == drop:
@@ -216,14 +244,39 @@ class OutputBuilder:
             return record.clones[name].rows(0, record.n)
         return record.sources[name] if in_place else record.staged[name]
 
-    def _serve_hit(self, record: StepRecord, req_id: str, hit: HitRead, into: dict[str, torch.Tensor]) -> None:
+    def _serve_hit(
+        self,
+        record: StepRecord,
+        req_id: str,
+        hit: HitRead,
+        into: dict[str, torch.Tensor],
+        prefetched: Prefetched | None,
+    ) -> None:
         """A hit's rows gathered into ``into[key]`` (the front of the request's rows in the
-        output)."""
-        served = self._reader.serve(hit, record.step_id, self._timeout_s, into)
-        self._counters.served(served.from_pool, served.in_flight, served.preserved)
+        output), the ``prefetched`` ones standing in for the pool's (`HitReader.serve`)."""
+        served = self._reader.serve(hit, record.step_id, self._timeout_s, into, prefetched)
+        self._counters.served(served.from_pool, served.in_flight, served.preserved, served.prefetched)
         for name, rows in served.rows.items():
             if rows.data_ptr() != into[name].data_ptr():
                 into[name].copy_(rows)
+
+
+def _own_rows(pre: Prefetched, size: int, sources: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """The request's output rows per key as the front ``size`` rows of its prefetched tensors,
+    when every key's has room for them with less than a block to spare and the rows' dtype
+    and shape; else ``None`` (its rows go to a chunk, the prefetched ones copied there)."""
+    own = {}
+    for name, src in sources.items():
+        rows = pre.rows.get(name)
+        if (
+            rows is None
+            or not size <= rows.shape[0] < size + pre.max_spare
+            or rows.dtype != src.dtype
+            or rows.shape[1:] != src.shape[1:]
+        ):
+            return None
+        own[name] = rows[:size]
+    return own
 
 
 __all__ = ["OutputBuilder", "StepRecord"]

@@ -87,6 +87,11 @@ class HostPool:
             view = self._bytes[key] = row_bytes_view(self._rows[key])
         return view
 
+    def rows_of(self, key: str) -> torch.Tensor | None:
+        """The key's storage (any thread; ``None`` before its first sight): a prefetch gathers
+        from it outside the writer's lock, vouching for rows with the ledger before and after."""
+        return self._rows.get(key)
+
     def read(self, key: str, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The rows at ``slots`` (any thread), into ``out`` if given (a contiguous tensor of the
         right shape), else a new tensor."""

@@ -4,7 +4,9 @@ A hit is planned in the ledger at save, after this step's claims, so a request t
 blocks another request computes in the same step sees that request's task as the source (or
 the pool, when save wrote its small step itself before planning: `PrefixCache.save`).
 Serving follows a seqlock: wait for in-flight source tasks, read the pool rows, then ask the
-ledger which slots moved since the plan; moved rows come from the copy-on-write store. A
+ledger which slots moved since the plan; moved rows come from the copy-on-write store. Rows a
+prefetch gathered before the plan (`omni_pcache.prefetch`) stand in for the pool's where the
+version they were vouched for is the one the plan captured; the rest are read from the pool. A
 row that was never written, or moved with no preserved copy, raises `UnservableHitError`:
 never zeros, stale rows or a short tensor.
 
@@ -28,6 +30,7 @@ from omni_pcache._native import SOURCE_ABSENT, SOURCE_POOL, Ledger, ReadPlan
 from omni_pcache.errors import UnservableHitError
 from omni_pcache.keys import KeySpec
 from omni_pcache.pool import HostPool
+from omni_pcache.prefetch import Prefetched, PrefetchEntry
 from omni_pcache.preserve import PreservedRows
 
 
@@ -52,6 +55,7 @@ class HitRead:
     num_rows: int
     keys: list[KeyRead]
     released: bool = False
+    prefetched: PrefetchEntry | None = None  # the same slots' rows gathered since begin_step
 
 
 @dataclass(slots=True)
@@ -62,6 +66,7 @@ class ServedRows:
     from_pool: int
     in_flight: int
     preserved: int
+    prefetched: int = 0  # rows a prefetch had gathered (of any source but preserved copies)
 
 
 class HitReader:
@@ -100,11 +105,16 @@ class HitReader:
                 self._ledger.release(read.plan.read_id)
 
     def serve(
-        self, hit: HitRead, step_id: int, timeout_s: float, into: dict[str, torch.Tensor] | None = None
+        self,
+        hit: HitRead,
+        step_id: int,
+        timeout_s: float,
+        into: dict[str, torch.Tensor] | None = None,
+        prefetched: Prefetched | None = None,
     ) -> ServedRows:
         """The hit's rows per key (materializing thread), written into ``into[key]`` when given
-        (the front of the caller's output tensor: one copy instead of two). Raises
-        `UnservableHitError`."""
+        (the front of the caller's output tensor: one copy instead of two; none where it is the
+        front of the ``prefetched`` rows themselves). Raises `UnservableHitError`."""
         deadline = time.monotonic() + timeout_s
         for read in hit.keys:
             if read.plan.num_absent:
@@ -123,10 +133,14 @@ class HitReader:
         if in_flight - clones.keys():
             self._wait_tasks(in_flight - clones.keys(), deadline)
         served: dict[str, torch.Tensor] = {}
-        preserved = in_flight_rows = from_pool = 0
+        preserved = in_flight_rows = from_pool = from_prefetch = 0
         for read in hit.keys:
             dest = None if into is None else into.get(read.spec.name)
-            rows = self._pool.read(read.spec.name, torch.from_numpy(read.slots), out=dest)
+            stale = None  # (positions not taken from the prefetch; None: nothing prefetched)
+            if prefetched is not None and prefetched.key_ids.get(read.spec.name) == read.spec.key_id:
+                rows, stale = self._prefetched_rows(read, prefetched, dest)
+            else:
+                rows = self._pool.read(read.spec.name, torch.from_numpy(read.slots), out=dest)
             sources = read.plan.sources if clones else None
             for task_id, record in clones.items():
                 at = np.flatnonzero(sources == task_id)
@@ -163,6 +177,8 @@ class HitReader:
             if kept is not None:  # copied outside the lock
                 rows[torch.from_numpy(moved)] = torch.stack(kept)
                 preserved += int(moved.size)
+            if stale is not None:  # (a moved row is served from its preserved copy, not the prefetch's)
+                from_prefetch += read.slots.size - (np.union1d(stale, moved).size if moved.size else stale.size)
             if moved.size:
                 kept_sources = np.delete(read.plan.sources, moved)
                 in_flight_rows += int(np.count_nonzero(kept_sources >= 0))
@@ -171,7 +187,28 @@ class HitReader:
                 from_pool += read.plan.num_from_pool
                 in_flight_rows += read.slots.size - read.plan.num_from_pool  # (none absent: checked above)
             served[read.spec.name] = rows
-        return ServedRows(served, from_pool, in_flight_rows, preserved)
+        return ServedRows(served, from_pool, in_flight_rows, preserved, from_prefetch)
+
+    def _prefetched_rows(
+        self, read: KeyRead, prefetched: Prefetched, dest: torch.Tensor | None
+    ) -> tuple[torch.Tensor, np.ndarray]:
+        """One key's rows of the read (into ``dest`` when given) from the prefetch: each row
+        vouched for at the version the plan captured, the others read from the pool now (after
+        the in-flight waits, as without a prefetch). Returns them and the positions read now."""
+        n = read.slots.size
+        head = prefetched.rows[read.spec.name][:n]
+        captured = self._ledger.captured_versions(read.plan.read_id)
+        stale = np.flatnonzero(captured != prefetched.versions[read.spec.name])  # (0: not vouched for)
+        if dest is None:
+            rows = head.clone()
+        elif dest.data_ptr() != head.data_ptr():
+            rows = dest.copy_(head)
+        else:  # (the output is the prefetch's own tensor: its rows are in place)
+            rows = dest
+        if stale.size:
+            at = torch.from_numpy(stale)
+            rows[at] = self._pool.read(read.spec.name, torch.from_numpy(read.slots[stale]))
+        return rows, stale
 
 
 __all__ = ["HitRead", "HitReader", "KeyRead", "ServedRows"]

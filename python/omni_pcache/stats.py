@@ -13,7 +13,9 @@ class CacheStats:
     ``hits``/``misses`` count new requests with and without a prefix hit. Rows served for
     hits (``rows_*``, counted once per cached key: a 40-row hit with hidden states and one mm
     key adds 80) are split by where they came from: the pool, a write still in flight when the
-    hit was planned (served after waiting for it), or a copy preserved when the block was reused.
+    hit was planned (served after waiting for it), or a copy preserved when the block was reused;
+    ``rows_prefetched`` counts the served rows (pool or in flight) that a prefetch had gathered
+    off the engine thread (`CacheConfig.prefetch_hits`) instead of materialize.
     ``num_waits``/``wait_time_s`` cover every blocking wait (free staging page, in-flight
     write, preserved copy). ``bytes_written`` has every cached key the cache has seen (the
     hidden states as ``"hidden"``), with the bytes written to its pool so far (0 until its
@@ -33,6 +35,7 @@ class CacheStats:
     rows_from_pool: int = 0
     rows_in_flight: int = 0
     rows_preserved: int = 0
+    rows_prefetched: int = 0
     bytes_written: dict[str, int] = field(default_factory=dict)
     num_waits: int = 0
     wait_time_s: float = 0.0
@@ -54,7 +57,7 @@ class Counters:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.hits = self.misses = 0
-        self.rows_from_pool = self.rows_in_flight = self.rows_preserved = 0
+        self.rows_from_pool = self.rows_in_flight = self.rows_preserved = self.rows_prefetched = 0
         self.num_waits = 0
         self.wait_time_s = 0.0
 
@@ -66,12 +69,13 @@ class Counters:
             self.hits += hits
             self.misses += misses
 
-    def served(self, from_pool: int, in_flight: int, preserved: int) -> None:
-        """Rows a hit was served, by where they came from."""
+    def served(self, from_pool: int, in_flight: int, preserved: int, prefetched: int) -> None:
+        """Rows a hit was served, by where they came from (and how many a prefetch gathered)."""
         with self._lock:
             self.rows_from_pool += from_pool
             self.rows_in_flight += in_flight
             self.rows_preserved += preserved
+            self.rows_prefetched += prefetched
 
     def waited(self, seconds: float) -> None:
         """One blocking wait of ``seconds``."""

@@ -172,6 +172,12 @@ impl Deliveries {
         Ok(reads)
     }
 
+    /// The slots of the pool read planned for `req_id`'s next save (by [`Deliveries::schedule`]),
+    /// if any: what a prefetch of its committed rows may gather before that save.
+    pub fn pending_read(&self, req_id: &str) -> Option<&[i64]> {
+        self.live.get(req_id)?.read.as_deref()
+    }
+
     /// One save of each request's `(req_id, first_row, count)` rows, in batch order (each
     /// request once: a request named twice may panic). Returns per request its [`StepRows`], and the pool reads due now as
     /// `(index of the request in `rows`, slots)`. A request never scheduled becomes live at
@@ -355,7 +361,11 @@ mod tests {
     fn a_fresh_hit_reads_its_prefix_once_then_gets_each_steps_rows() {
         let mut d = Deliveries::new(4).unwrap();
         assert!(d.schedule("a", &[7, 2, 5], 8).unwrap());
+        let planned = d.pending_read("a").map(<[i64]>::to_vec);
+        assert_eq!(planned, Some(vec![28, 29, 30, 31, 8, 9, 10, 11]));
+        assert_eq!(d.pending_read("b"), None, "not live");
         let (rows, reads) = d.take_step([("a", 0, 3)]).unwrap();
+        assert_eq!(d.pending_read("a"), None, "taken by the save");
         assert_eq!(reads, vec![(0, vec![28, 29, 30, 31, 8, 9, 10, 11])]);
         assert_eq!(
             rows,

@@ -4,6 +4,7 @@
 
 use std::collections::HashSet;
 
+use numpy::PyArray1;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyString, PyTuple, PyType};
 
@@ -18,8 +19,12 @@ struct Scheduled {
     num_computed: usize,
 }
 
-/// What `begin` returns: `(hits, misses, reentered)`.
-type Begun = (usize, usize, Vec<String>);
+/// A pool read `begin` planned: `(req_id, slots, room)`, ``room`` the positions the request's
+/// table holds past the read (where this step's rows go).
+type Planned = (String, Py<PyArray1<i64>>, usize);
+
+/// What `begin` returns: `(hits, misses, reentered, planned)`.
+type Begun = (usize, usize, Vec<String>, Vec<Planned>);
 
 /// A request id: a `str` that is valid UTF-8 (not a lone surrogate); else
 /// `InvalidInputError("{what} holds request ids (str, valid UTF-8), got ...")`. `what` is
@@ -149,8 +154,10 @@ impl Deliveries {
     /// each `new` and `resumed` request (instances of `new_type` and `resumed_type`) is scheduled
     /// with its block table. A request that is not live (or finishes in these events) with
     /// `num_computed_tokens > 0` is a prefix hit and must cover whole blocks; a live one may
-    /// have computed any count. Returns `(hits, misses, reentered)`: the new hits and misses,
-    /// and the live requests scheduled again (resumed, or continued as new), in event order.
+    /// have computed any count. Returns `(hits, misses, reentered, planned)`: the new hits and
+    /// misses, the live requests scheduled again (resumed, or continued as new), in event
+    /// order, and the pool reads planned for their next save, `(req_id, slots, room)` in event
+    /// order (``room``: positions the table holds past the read; what a prefetch gathers early).
     /// Raises `InvalidInputError` for the first problem, having changed nothing.
     #[allow(clippy::too_many_arguments)] // (the events' parts, and the two request types)
     fn begin(
@@ -231,7 +238,9 @@ impl Deliveries {
             // (cannot be refused: checked above)
             self.inner.undeliver_saves(req_id, *count).py_err()?;
         }
-        let (mut hits, mut misses, mut reentered) = (0, 0, Vec::new());
+        let (mut hits, mut misses, mut reentered, mut planned) = (0, 0, Vec::new(), Vec::new());
+        let bs = self.inner.block_size() as usize;
+        let py = new.py();
         for req in scheduled {
             if self.inner.is_live(&req.req_id) {
                 reentered.push(req.req_id.clone());
@@ -241,11 +250,17 @@ impl Deliveries {
                 misses += 1;
             }
             // (cannot be refused: the span was checked against the table above)
-            self.inner
+            let reads = self
+                .inner
                 .schedule(&req.req_id, &req.blocks, req.num_computed)
                 .py_err()?;
+            if reads {
+                let slots = self.inner.pending_read(&req.req_id).unwrap_or_default();
+                let room = (req.blocks.len() * bs).saturating_sub(req.num_computed);
+                planned.push((req.req_id, int_array(py, slots.to_vec()), room));
+            }
         }
-        Ok((hits, misses, reentered))
+        Ok((hits, misses, reentered, planned))
     }
 
     /// A save of each request's `{req_id: (first_row, count)}` rows (`check_batch`'s, in batch

@@ -1,0 +1,206 @@
+"""Hit prefetch: a new hit's committed prefix rows gathered off the engine thread, during the
+forward between `PrefixCache.begin_step` and the save that plans the hit's read.
+
+`begin_step` learns each hit's slots (the reads `Deliveries.begin` planned) and hands the
+committer one `PrefetchJob` for the step. Per request and cached key, the job gathers the
+rows the pool holds now into a new tensor with room for this step's rows behind them
+(``room``: what the request's block table holds past the hit, at most a step's rows). A row
+is *vouched for* when the ledger shows its slot committed at the same version before and
+after the gather: no write touched it meanwhile, since every pool write follows a claim,
+which gives the slot a new version, and the pool's writes are serialized (one writer, each
+write's rows scattered before they are committed). A vouched row carries that version; the
+others carry 0, which no claim gives.
+
+At save the hit's read is planned as without a prefetch (`HitReader.plan`) and the request's
+`PrefetchEntry` rides along on its `HitRead` when it read the same slots. At materialize,
+`HitReader.serve` keeps each prefetched row whose version is the one the plan captured (the
+bytes the pool held at that version) and gathers the others from the pool, then runs the same
+in-flight, clone, seqlock and copy-on-write steps: rows are served exactly as without a
+prefetch. A request whose prefetched tensors hold all the rows it returns, with less than a
+block to spare, is handed those tensors (`OutputBuilder`): its prefix rows are not copied
+again.
+
+Threads: `HitPrefetcher` on the engine thread (`start` in begin_step, `attach` in save);
+`PrefetchJob.run` on the committer, outside the pool writer's lock (it only reads);
+`PrefetchEntry.result` on the materializing thread, which cancels a job the committer has
+not started (materialize then gathers as without it) and waits for one it is running.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from omni_pcache._native import SOURCE_POOL, Ledger
+from omni_pcache.keys import KeySpec
+from omni_pcache.pool import HostPool
+
+logger = logging.getLogger("omni_pcache")
+
+_PENDING, _RUNNING, _DONE, _CANCELLED = range(4)
+
+Planned = tuple[str, np.ndarray, int]
+"""A read `Deliveries.begin` planned: ``(req_id, slots, room)``."""
+
+
+@dataclass(slots=True)
+class Prefetched:
+    """One request's prefetched rows. Per key: a tensor of ``num_rows + room`` rows whose first
+    ``num_rows`` (one per slot read) are the pool's rows where ``versions`` is not 0 (the
+    version each was vouched for at), and the ledger key id they were read under."""
+
+    rows: dict[str, torch.Tensor]
+    versions: dict[str, np.ndarray]
+    key_ids: dict[str, int]
+    num_rows: int
+    max_spare: int  # a request returning fewer than ``rows - max_spare`` rows gets a chunk instead
+
+
+class PrefetchJob:
+    """One begin_step's prefetches: run once by the committer, or cancelled by the first
+    consumer that finds it not started."""
+
+    def __init__(
+        self, planned: Sequence[Planned], specs: Sequence[KeySpec], ledger: Ledger, pool: HostPool, block_size: int
+    ) -> None:
+        self._planned = planned
+        self._block_size = block_size
+        self._specs = specs
+        self._ledger = ledger
+        self._pool = pool
+        self._lock = threading.Lock()
+        self._finished = threading.Event()  # set once run ends
+        self._state = _PENDING
+        self._results: list[Prefetched | None] = []
+
+    def run(self) -> None:
+        """Gathers every planned read (the committer). A job already cancelled does nothing; a
+        gather that raises leaves the job without results (consumers gather for themselves)."""
+        with self._lock:
+            if self._state != _PENDING:
+                return
+            self._state = _RUNNING
+        results: list[Prefetched | None] = []
+        try:
+            for _req_id, slots, room in self._planned:
+                results.append(self._gather(slots, room))
+        except Exception:  # (a key dropped meanwhile, memory: the reads are planned at save anyway)
+            logger.debug("omni_pcache: a hit prefetch failed; materialize gathers those rows", exc_info=True)
+            results = []
+        finally:
+            with self._lock:
+                self._results = results
+                self._state = _DONE
+            self._finished.set()
+
+    def cancel(self) -> None:
+        """Cancels the job unless it is running or done (any thread; the committer stopping)."""
+        with self._lock:
+            if self._state == _PENDING:
+                self._state = _CANCELLED
+
+    def result(self, index: int, timeout_s: float) -> Prefetched | None:
+        """The ``index``-th planned read's rows (the materializing thread): ``None`` when the
+        job had not started (it is cancelled), failed, found nothing committed, or is still
+        running after ``timeout_s``."""
+        with self._lock:
+            if self._state == _PENDING:
+                self._state = _CANCELLED
+            state = self._state
+        if state == _CANCELLED or not self._finished.wait(timeout_s):
+            return None
+        results = self._results
+        return results[index] if index < len(results) else None
+
+    def _gather(self, slots: np.ndarray, room: int) -> Prefetched | None:
+        n = int(slots.size)
+        index: torch.Tensor | None = None
+        rows: dict[str, torch.Tensor] = {}
+        versions: dict[str, np.ndarray] = {}
+        key_ids: dict[str, int] = {}
+        for spec in self._specs:
+            pool = self._pool.rows_of(spec.name)
+            if pool is None or pool.dtype != spec.dtype or tuple(pool.shape[1:]) != spec.row_shape:
+                continue
+            before, version = self._ledger.peek(slots, spec.key_id)
+            committed = before == SOURCE_POOL
+            if not committed.any():
+                continue
+            if index is None:
+                index = torch.from_numpy(slots)
+            out = torch.empty((n + room, *spec.row_shape), dtype=spec.dtype)
+            torch.index_select(pool, 0, index, out=out[:n])
+            after, version_after = self._ledger.peek(slots, spec.key_id)
+            vouched = committed & (after == SOURCE_POOL) & (version == version_after)
+            rows[spec.name] = out
+            versions[spec.name] = np.where(vouched, version, 0)
+            key_ids[spec.name] = spec.key_id
+        return Prefetched(rows, versions, key_ids, n, self._block_size) if rows else None
+
+
+@dataclass(slots=True)
+class PrefetchEntry:
+    """A request's part of a `PrefetchJob`: the ``index``-th read it planned, of ``slots``."""
+
+    job: PrefetchJob
+    index: int
+    slots: np.ndarray
+
+    def result(self, timeout_s: float) -> Prefetched | None:
+        """See `PrefetchJob.result`."""
+        return self.job.result(self.index, timeout_s)
+
+
+class HitPrefetcher:
+    """Starts a step's prefetch at begin_step and hands each request's part to its hit read at
+    save (engine thread). ``submit`` queues a job for the committer (false: not queued)."""
+
+    def __init__(
+        self, ledger: Ledger, pool: HostPool, submit: Callable[[PrefetchJob], bool], block_size: int, max_room: int
+    ) -> None:
+        self._ledger = ledger
+        self._pool = pool
+        self._submit = submit
+        self._block_size = block_size
+        self._max_room = max_room
+        self._entries: dict[str, PrefetchEntry] = {}
+        # The keys of the last save: a step's hits are read under its keys, nearly always the same.
+        self.specs: tuple[KeySpec, ...] = ()
+
+    @property
+    def pending(self) -> bool:
+        """Whether a begin_step started prefetches no save has taken yet."""
+        return bool(self._entries)
+
+    def start(self, planned: list[Planned]) -> None:
+        """Queues a gather of the ``planned`` reads (begin_step, after the events registered).
+        Nothing before the first save (no key known yet)."""
+        if not self.specs:
+            return
+        planned = [(req_id, slots, min(room, self._max_room)) for req_id, slots, room in planned]
+        job = PrefetchJob(planned, self.specs, self._ledger, self._pool, self._block_size)
+        if not self._submit(job):
+            return
+        for i, (req_id, slots, _room) in enumerate(planned):
+            self._entries[req_id] = PrefetchEntry(job, i, slots)
+
+    def attach(self, hits: dict, reads: dict[str, np.ndarray]) -> None:
+        """Hands each planned hit read of this save the prefetch of the same slots (save,
+        after planning), then forgets the rest: a prefetch serves only the save after it."""
+        entries, self._entries = self._entries, {}
+        for req_id, hit in hits.items():
+            entry = entries.get(req_id)
+            if entry is not None and np.array_equal(entry.slots, reads[req_id]):
+                hit.prefetched = entry
+
+    def clear(self) -> None:
+        """Forgets the started prefetches (a save that plans no reads: closed or failed)."""
+        self._entries = {}
+
+
+__all__ = ["HitPrefetcher", "PrefetchEntry", "PrefetchJob", "Prefetched"]

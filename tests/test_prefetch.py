@@ -1,0 +1,201 @@
+"""Hit prefetch (`CacheConfig.prefetch_hits`, `omni_pcache.prefetch`): the rows the committer
+gathers between begin_step and save are served only where the ledger vouches they are the
+rows the save's plan reads; every other row is read as without a prefetch, so the outputs
+are the same either way."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from cachekit import rows, small_cache
+from omni_pcache import NewRequest, StepEvents, WriteTasks
+from omni_pcache.committer import Committer
+from omni_pcache.prefetch import PrefetchJob
+from test_cache_hits import BS, batch, expect, hold_writes, slots_of
+
+
+def begin(cache, new=(), finished=()) -> None:
+    cache.begin_step(StepEvents(new=list(new), finished=list(finished)))
+
+
+def save(cache, reqs):
+    """The save of a step begun already; ``reqs`` as `test_cache_hits.run_step`'s."""
+    hidden = torch.cat([rows(w, s, c) for _, _, s, c, w in reqs])
+    mm = {"codes": torch.cat([rows(w, s, c, width=2, dtype=torch.int64) for _, _, s, c, w in reqs])}
+    slot_lists = [slots_of(b, s, c, BS) for _, b, s, c, _ in reqs]
+    return cache.save(hidden, mm, batch([(r, c) for r, _, _, c, _ in reqs], slot_lists))
+
+
+def step(cache, new, reqs, finished=()):
+    begin(cache, new, finished)
+    return save(cache, reqs)
+
+
+def prefetched_by_committer(cache) -> None:
+    """Waits until the committer has run every prefetch the last begin_step started."""
+    jobs = {id(entry.job): entry.job for entry in cache._prefetch._entries.values()}
+    assert jobs, "begin_step started no prefetch"
+    for job in jobs.values():
+        assert job._finished.wait(5), "the committer never ran the prefetch"
+
+
+@pytest.mark.parametrize("prefetch_hits", [True, False])
+def test_a_hit_is_served_from_its_prefetch_into_the_tensor_it_returns(prefetch_hits: bool) -> None:
+    with small_cache(prefetch_hits=prefetch_hits) as cache:
+        sid = step(cache, [NewRequest("a", [0, 1, 2])], [("a", [0, 1, 2], 0, 10, 1)])
+        expect(cache.materialize(sid, ["a"]), "a", [(1, 0, 10)])
+        cache.flush()
+        begin(cache, [NewRequest("b", [0, 1, 5], 8), NewRequest("c", [6, 7])])
+        if prefetch_hits:
+            prefetched_by_committer(cache)
+        sid = save(cache, [("b", [0, 1, 5], 8, 3, 2), ("c", [6, 7], 0, 5, 3)])
+        out = cache.materialize(sid, ["b", "c"])
+        expect(out, "b", [(1, 0, 8), (2, 8, 3)])
+        expect(out, "c", [(3, 0, 5)])
+        stats = cache.stats()
+        assert stats.rows_from_pool == 16  # 8 hidden + 8 codes rows, either way
+        assert stats.rows_prefetched == (16 if prefetch_hits else 0)
+        # With the prefetch, b's rows are the front 11 of the 12 rows (its 3 blocks) the
+        # prefetch gathered into: not copied into a chunk shared with c.
+        b_rows = out.hidden["b"].untyped_storage().nbytes() // out.hidden["b"][0].nbytes
+        assert b_rows == (12 if prefetch_hits else 16)
+        out.hidden["b"].fill_(-1)  # the caller's to write: the next hit still gets the cached rows
+        sid = step(cache, [NewRequest("d", [0, 1, 8], 8)], [("d", [0, 1, 8], 8, 2, 4)])
+        expect(cache.materialize(sid, ["d"]), "d", [(1, 0, 8), (4, 8, 2)])
+        assert cache.stats().reads_pending == 0
+
+
+@pytest.mark.parametrize("inline_write_bytes", [0, 1 << 20])
+def test_a_same_step_hit_on_a_reused_block_gets_the_new_rows_not_the_prefetched_old_ones(
+    inline_write_bytes: int,
+) -> None:
+    # Block 0 held a's rows; a finishes, block 0 goes to d, which computes it now, and b hits
+    # it in the same step. At begin_step the prefetch gathers a's committed rows for b; the
+    # save's plan then sees d's claim (a newer version), so none of them may be served.
+    with small_cache(inline_write_bytes=inline_write_bytes) as cache:
+        sid = step(cache, [NewRequest("a", [0])], [("a", [0], 0, 4, 1)])
+        cache.materialize(sid, ["a"])
+        cache.flush()
+        begin(cache, [NewRequest("d", [0]), NewRequest("b", [0, 3], 4)], finished=["a"])
+        prefetched_by_committer(cache)
+        sid = save(cache, [("d", [0], 0, 4, 4), ("b", [0, 3], 4, 3, 5)])
+        out = cache.materialize(sid, ["d", "b"])
+        expect(out, "d", [(4, 0, 4)])
+        expect(out, "b", [(4, 0, 4), (5, 4, 3)])
+        assert cache.stats().rows_prefetched == 0
+
+
+def test_a_prefetch_vouches_only_for_rows_committed_before_and_after_its_gather() -> None:
+    with small_cache(inline_write_bytes=0) as cache:
+        sid = step(cache, [NewRequest("a", [0, 1, 2])], [("a", [0, 1, 2], 0, 4, 1)])
+        cache.materialize(sid, ["a"])
+        cache.flush()  # block 0 committed
+        gate = hold_writes(cache)
+        sid = step(cache, [], [("a", [0, 1, 2], 4, 4, 1)])  # block 1: its write held in flight
+        cache.materialize(sid, ["a"])
+        job = PrefetchJob([("b", slots_of([0, 1], 0, 8, BS), 4)], cache._prefetch.specs, cache._ledger, cache._pool, BS)
+        job.run()  # (here, on the test's thread: the committer is held inside block 1's write)
+        got = job.result(0, 1.0)
+        gate.set()
+        cache.flush()
+        assert got is not None and got.num_rows == 8
+        for name in ("hidden", "codes"):
+            assert got.rows[name].shape[0] == 12  # the 8 rows read, and room for 4 behind them
+            assert (got.versions[name][:4] > 0).all(), "block 0 was committed throughout"
+            assert (got.versions[name][4:] == 0).all(), "block 1 was in flight"
+        assert torch.equal(got.rows["hidden"][:4], rows(1, 0, 4))
+
+
+def test_a_prefetch_that_ran_after_the_plan_vouches_only_for_what_the_plan_captured() -> None:
+    # Block 0 committed, block 1 in flight when b's read is planned; the prefetch then runs
+    # after block 1's write landed: block 1 is vouched for at the version the plan captured,
+    # block 0 too, and b gets exactly a's rows.
+    with small_cache(inline_write_bytes=0) as cache:
+        sid = step(cache, [NewRequest("a", [0, 1, 2])], [("a", [0, 1, 2], 0, 4, 1)])
+        cache.materialize(sid, ["a"])
+        cache.flush()
+        gate = hold_writes(cache)
+        sid = step(cache, [], [("a", [0, 1, 2], 4, 4, 1)])
+        cache.materialize(sid, ["a"])
+        begin(cache, [NewRequest("b", [0, 1, 3], 8)])
+        sid = save(cache, [("b", [0, 1, 3], 8, 2, 2)])
+        gate.set()
+        cache.flush()
+        (hit,) = cache._steps.records[sid].hits.values()
+        assert hit.prefetched.job._finished.wait(5)
+        expect(cache.materialize(sid, ["b"]), "b", [(1, 0, 8), (2, 8, 2)])
+        stats = cache.stats()
+        assert (stats.rows_from_pool, stats.rows_in_flight) == (8, 8)  # as the plan found them
+        assert stats.rows_prefetched == 16  # all served from the prefetch
+
+
+def test_a_prefetch_the_committer_has_not_started_is_given_up_and_the_hit_read_at_materialize() -> None:
+    with small_cache(inline_write_bytes=0) as cache:
+        sid = step(cache, [NewRequest("a", [0, 1, 2])], [("a", [0, 1, 2], 0, 10, 1)])
+        cache.materialize(sid, ["a"])
+        cache.flush()
+        gate = hold_writes(cache)
+        sid = step(cache, [NewRequest("c", [4])], [("c", [4], 0, 4, 3)])  # the committer blocks in c's write
+        cache.materialize(sid, ["c"])
+        begin(cache, [NewRequest("b", [0, 1, 5], 8)])  # its prefetch queued behind c's write
+        jobs = [entry.job for entry in cache._prefetch._entries.values()]
+        sid = save(cache, [("b", [0, 1, 5], 8, 3, 2)])
+        expect(cache.materialize(sid, ["b"]), "b", [(1, 0, 8), (2, 8, 3)])
+        gate.set()
+        cache.flush()
+        assert cache.stats().rows_prefetched == 0
+        assert [job._results for job in jobs] == [[]], "a job given up is never run"
+
+
+class _BrokenPool:
+    def rows_of(self, key: str) -> torch.Tensor:
+        raise RuntimeError("storage went away")
+
+
+def test_a_prefetch_that_fails_leaves_nothing_prefetched_and_never_raises() -> None:
+    with small_cache() as cache:
+        sid = step(cache, [NewRequest("a", [0])], [("a", [0], 0, 4, 1)])
+        cache.materialize(sid, ["a"])
+        planned = [("b", np.arange(4, dtype=np.int64), 4)]
+        job = PrefetchJob(planned, cache._prefetch.specs, cache._ledger, _BrokenPool(), BS)
+        job.run()
+        assert job.result(0, 1.0) is None
+
+
+def test_jobs_still_queued_when_the_committer_stops_are_cancelled_not_run() -> None:
+    tasks = WriteTasks()
+    task = tasks.create()
+    entered, release = threading.Event(), threading.Event()
+
+    def write(batch):
+        entered.set()
+        assert release.wait(5)
+
+    committer = Committer(tasks, write, lambda *a: None, threaded=True)
+    ran: list[str] = []
+
+    class Job:
+        def run(self) -> None:
+            ran.append("run")
+
+        def cancel(self) -> None:
+            ran.append("cancel")
+
+    tasks.enqueue_many([task])
+    committer.notify(1)
+    assert entered.wait(5)
+    assert committer.submit(Job())
+    stopper = threading.Thread(target=committer.stop, args=(5.0,))
+    stopper.start()
+    deadline = time.monotonic() + 5
+    while not ran and time.monotonic() < deadline:  # (stop cancels it while the write holds the committer)
+        time.sleep(0.001)
+    release.set()
+    stopper.join(5)
+    assert ran == ["cancel"]
+    assert not committer.submit(Job()), "a stopped committer takes no job"
