@@ -41,7 +41,7 @@ def prefetched_by_committer(cache) -> None:
     jobs = {id(entry.job): entry.job for entry in cache._prefetch._entries.values()}
     assert jobs, "begin_step started no prefetch"
     for job in jobs.values():
-        assert job._finished.wait(5), "the committer never ran the prefetch"
+        assert job.wait(5), "the committer never ran the prefetch"
 
 
 @pytest.mark.parametrize("prefetch_hits", [True, False])
@@ -127,7 +127,7 @@ def test_a_prefetch_that_ran_after_the_plan_vouches_only_for_what_the_plan_captu
         gate.set()
         cache.flush()
         (hit,) = cache._steps.records[sid].hits.values()
-        assert hit.prefetched.job._finished.wait(5)
+        assert hit.prefetched.job.wait(5)
         expect(cache.materialize(sid, ["b"]), "b", [(1, 0, 8), (2, 8, 2)])
         stats = cache.stats()
         assert (stats.rows_from_pool, stats.rows_in_flight) == (8, 8)  # as the plan found them

@@ -390,7 +390,7 @@ class PrefixCache:
                 rows, reads = self._delivery.take_step(shape.rows)
                 hits: dict[str, HitRead] = {req: self._reader.plan(req, read, specs) for req, read in reads.items()}
                 if self._prefetch.pending:
-                    self._prefetch.attach(hits, reads)
+                    self._prefetch.attach(hits)
                 self._prefetch.specs = specs  # (the keys the next step's hits are prefetched under)
                 self._steps.records[step_id] = StepRecord(
                     step_id, page, handle, shape.n, shape.n_padded, rows, list(cached), hits, kept_leftover, clones,

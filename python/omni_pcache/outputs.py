@@ -153,8 +153,8 @@ class OutputBuilder:
             if hits is not None:
                 sizes = [size + (hit.num_rows if hit else 0) for size, hit in zip(sizes, hits, strict=True)]
                 for i, hit in enumerate(hits):
-                    if hit is not None and hit.prefetched is not None:
-                        prefetched[i] = pre = hit.prefetched.result(self._timeout_s)
+                    if hit is not None and hit.prefetched is not None and hit.keys:
+                        prefetched[i] = pre = hit.prefetched.result(hit.keys[0].slots, self._timeout_s)
                         if pre is not None and (rows := _own_rows(pre, sizes[i], sources)) is not None:
                             own[i] = rows
             bounds = (

@@ -74,7 +74,9 @@ class PrefetchJob:
         self._ledger = ledger
         self._pool = pool
         self._lock = threading.Lock()
-        self._finished = threading.Event()  # set once run ends
+        # Held until run ends (a plain lock: lighter to make on the engine thread than an Event).
+        self._running = threading.Lock()
+        self._running.acquire()
         self._state = _PENDING
         self._results: list[Prefetched | None] = []
 
@@ -96,7 +98,7 @@ class PrefetchJob:
             with self._lock:
                 self._results = results
                 self._state = _DONE
-            self._finished.set()
+            self._running.release()
 
     def cancel(self) -> None:
         """Cancels the job unless it is running or done (any thread; the committer stopping)."""
@@ -112,10 +114,20 @@ class PrefetchJob:
             if self._state == _PENDING:
                 self._state = _CANCELLED
             state = self._state
-        if state == _CANCELLED or not self._finished.wait(timeout_s):
+        if state == _CANCELLED or (state == _RUNNING and not self.wait(timeout_s)):
             return None
         results = self._results
         return results[index] if index < len(results) else None
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether the job ran to its end within ``timeout_s`` (any thread; false for a job
+        cancelled before it started)."""
+        if self._state == _DONE:
+            return True
+        if self._state == _CANCELLED or not self._running.acquire(timeout=timeout_s):
+            return False
+        self._running.release()
+        return True
 
     def _gather(self, slots: np.ndarray, room: int) -> Prefetched | None:
         n = int(slots.size)
@@ -151,8 +163,11 @@ class PrefetchEntry:
     index: int
     slots: np.ndarray
 
-    def result(self, timeout_s: float) -> Prefetched | None:
-        """See `PrefetchJob.result`."""
+    def result(self, slots: np.ndarray, timeout_s: float) -> Prefetched | None:
+        """`PrefetchJob.result` when the save planned the read of the same ``slots`` (else
+        ``None``: the request's span changed between begin_step and its save)."""
+        if not np.array_equal(self.slots, slots):
+            return None
         return self.job.result(self.index, timeout_s)
 
 
@@ -189,14 +204,13 @@ class HitPrefetcher:
         for i, (req_id, slots, _room) in enumerate(planned):
             self._entries[req_id] = PrefetchEntry(job, i, slots)
 
-    def attach(self, hits: dict, reads: dict[str, np.ndarray]) -> None:
-        """Hands each planned hit read of this save the prefetch of the same slots (save,
-        after planning), then forgets the rest: a prefetch serves only the save after it."""
+    def attach(self, hits: dict) -> None:
+        """Hands each planned hit read of this save its request's prefetch (save, after
+        planning; `PrefetchEntry.result` checks the slots are the same, off the engine thread),
+        then forgets the rest: a prefetch serves only the save after it."""
         entries, self._entries = self._entries, {}
         for req_id, hit in hits.items():
-            entry = entries.get(req_id)
-            if entry is not None and np.array_equal(entry.slots, reads[req_id]):
-                hit.prefetched = entry
+            hit.prefetched = entries.get(req_id)
 
     def clear(self) -> None:
         """Forgets the started prefetches (a save that plans no reads: closed or failed)."""
