@@ -28,8 +28,12 @@ starting with ``--first``: a second run with the other start measures every row 
 Each step runs as an engine runs it: begin, the forward, save, then materialize on the same
 thread. The forward is ``--forward-ms`` of GIL-releasing torch work that sweeps more memory
 than the caches hold (`save_overhead.busy_forward`; untimed), run at 0 and 5 ms by default:
-during it vLLM-Omni's prefetch thread gathers the hits' prefix rows and omni_pcache's committer
-writes the previous step, and after it both sides' calls run cold, as after a real forward.
+during it both sides gather the hits' prefix rows (vLLM-Omni's prefetch thread; omni_pcache's
+committer, with ``CacheConfig.prefetch_hits=True``, what a cache with CUDA outputs turns on by
+itself: the stand-in forward leaves the second core idle, as a GPU forward leaves the host's;
+``--no-prefetch`` runs ours as a cache with CPU outputs does by default), omni_pcache's
+committer also writes the previous step, and after it both sides' calls run cold, as after a
+real forward.
 ``--malloc-reuse`` reruns the script under glibc settings that reuse freed blocks over 32 MiB
 (`MALLOC_REUSE`), which changes the 8,192-token figures of both sides.
 

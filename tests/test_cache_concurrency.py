@@ -461,6 +461,7 @@ def run_until_stopped(seed: int, deferred: bool, stop: str) -> tuple[PrefixCache
         threaded=rng.random() < 0.8,
         inline_write_bytes=rng.choice((0, 2048, 1 << 20)),  # (every step to the committer .. every step in save)
         device_budget_bytes=rng.choice((600, 1 << 20)),  # (600: deferred rows flushed early to make room)
+        prefetch_hits=rng.random() < 0.5,  # (a stop with prefetches queued or running)
     )
     keys = frozenset({"who", "codes"})
     policy = CachePolicy(token_keys=keys, deferred_keys=frozenset({"codes"}) if deferred else frozenset())

@@ -106,6 +106,7 @@ class CacheMachine(RuleBasedStateMachine):
     INLINE_WRITE_BYTES = 0  # (threaded only) steps under this many bytes are written by save itself
     RESUME = False  # preempt and resume running requests
     DEFERRED = False  # cache a deferred key "codes" too, under a tight device budget
+    PREFETCH = None  # CacheConfig.prefetch_hits (None: by the rows' device, CPU here: off)
 
     def __init__(self) -> None:
         super().__init__()
@@ -117,6 +118,7 @@ class CacheMachine(RuleBasedStateMachine):
             claim_timeout_s=10.0,
             threaded=self.THREADED,
             inline_write_bytes=self.INLINE_WRITE_BYTES,
+            prefetch_hits=self.PREFETCH,
             **({"device_budget_bytes": DEVICE_BUDGET_BYTES} if self.DEFERRED else {}),
         )
         if self.DEFERRED:
@@ -753,9 +755,11 @@ class MixedCacheMachine(CacheMachine):
 
 
 class ResumeCacheMachine(MixedCacheMachine):
-    """Mixed writers, with requests preempted and resumed."""
+    """Mixed writers, with requests preempted and resumed, and each new hit's committed rows
+    gathered by the committer between begin_step and save (the hit prefetch)."""
 
     RESUME = True
+    PREFETCH = True
 
 
 class DeferredCacheMachine(CacheMachine):
@@ -769,10 +773,11 @@ class DeferredCacheMachine(CacheMachine):
 
 class DeferredThreadedCacheMachine(DeferredCacheMachine):
     """The deferred machine with both writers: the committer writes flushed records while
-    reads are served from their clones."""
+    reads are served from their clones; hits are prefetched."""
 
     THREADED = True
     INLINE_WRITE_BYTES = 8 * 64
+    PREFETCH = True
 
 
 TestCacheStateMachineInline = CacheMachine.TestCase

@@ -438,3 +438,22 @@ def test_cuda_saves_under_inference_mode_hand_out_plain_writable_tensors(policy)
             tensor.add_(1)
         stats = cache.stats()
         assert (stats.tasks_live, stats.device_bytes, stats.steps_outstanding) == (0, 0, []), stats
+
+
+def test_hit_prefetch_turns_on_by_itself_for_rows_on_a_cuda_device() -> None:
+    # (CacheConfig.prefetch_hits=None, the default: on once a save brings CUDA rows)
+    hidden = torch.arange(12 * 8, dtype=torch.float32).reshape(12, 8)
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2])]))
+        sid = cache.save(hidden[:10].cuda(), None, StepBatch(["a"], [10], slots_of([0, 1, 2], 0, 10, BS)))
+        cache.materialize(sid, ["a"])
+        cache.flush()
+        cache.begin_step(StepEvents(new=[NewRequest("b", [0, 1, 3], 8)]))
+        jobs = {id(e.job): e.job for e in cache._prefetch._entries.values()}
+        assert jobs, "a prefetch was started"
+        assert all(job.wait(10) for job in jobs.values())
+        own = torch.full((2, 8), -1.0)
+        sid = cache.save(own.cuda(), None, StepBatch(["b"], [2], slots_of([0, 1, 3], 8, 2, BS)))
+        out = cache.materialize(sid, ["b"])
+        assert torch.equal(out.hidden["b"], torch.cat([hidden[:8], own]))
+        assert cache.stats().rows_prefetched == 8

@@ -185,6 +185,18 @@ def test_rows_returned_in_one_chunk_per_request_equal_the_reference(
     assert result.rows_checked > 0 and cached.hit_tokens > 0
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize(
+    ("name", "config", "workload", "num_requests", "abort_rate"), SCENARIOS, ids=[s[0] for s in SCENARIOS]
+)
+def test_rows_served_from_hit_prefetches_equal_the_reference(name, config, workload, num_requests, abort_rate, seed):
+    # The committer gathers each new hit's committed rows during the forward (what a cache
+    # with CUDA outputs does by itself); only rows the ledger vouches for may be served.
+    config = replace(config, model="prefix-hash", prefetch_hits=True)
+    cached, result = check(config, workload, num_requests, seed, abort_rate)
+    assert result.rows_checked > 0 and cached.hit_tokens > 0
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize(
     ("name", "config", "workload", "num_requests", "abort_rate"), SCENARIOS, ids=[s[0] for s in SCENARIOS]
@@ -242,7 +254,8 @@ def test_soak() -> None:
     for seed in range(SOAK_SEEDS):
         _, config, workload, num_requests, abort_rate = SCENARIOS[seed % len(SCENARIOS)]
         model = "transformer" if seed % 10 == 9 else "prefix-hash"
-        _, result = check(replace(config, model=model), workload, num_requests, seed, abort_rate)
+        config = replace(config, model=model, prefetch_hits=seed % 2 == 1)  # (every other seed prefetches hits)
+        _, result = check(config, workload, num_requests, seed, abort_rate)
         requests += result.requests_checked
         rows += result.rows_checked
     print(f"\nsoak: {SOAK_SEEDS} seeds, {requests} requests and {rows} rows checked, 0 mismatches")

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from cachekit import rows, small_cache
-from omni_pcache import NewRequest, StepEvents, WriteTasks
+from omni_pcache import CacheConfig, ConfigError, InvalidInputError, NewRequest, StepEvents, WriteTasks
+from omni_pcache._native import Ledger, prefetch_rows
 from omni_pcache.committer import Committer
 from omni_pcache.prefetch import PrefetchJob
 from test_cache_hits import BS, batch, expect, hold_writes, slots_of
@@ -44,8 +45,9 @@ def prefetched_by_committer(cache) -> None:
         assert job.wait(5), "the committer never ran the prefetch"
 
 
-@pytest.mark.parametrize("prefetch_hits", [True, False])
-def test_a_hit_is_served_from_its_prefetch_into_the_tensor_it_returns(prefetch_hits: bool) -> None:
+@pytest.mark.parametrize("prefetch_hits", [True, False, None])
+def test_a_hit_is_served_from_its_prefetch_into_the_tensor_it_returns(prefetch_hits: bool | None) -> None:
+    # (None, the default, decides by the rows' device: CPU rows here, so no prefetch)
     with small_cache(prefetch_hits=prefetch_hits) as cache:
         sid = step(cache, [NewRequest("a", [0, 1, 2])], [("a", [0, 1, 2], 0, 10, 1)])
         expect(cache.materialize(sid, ["a"]), "a", [(1, 0, 10)])
@@ -53,6 +55,8 @@ def test_a_hit_is_served_from_its_prefetch_into_the_tensor_it_returns(prefetch_h
         begin(cache, [NewRequest("b", [0, 1, 5], 8), NewRequest("c", [6, 7])])
         if prefetch_hits:
             prefetched_by_committer(cache)
+        else:
+            assert not cache._prefetch.pending, "no prefetch started"
         sid = save(cache, [("b", [0, 1, 5], 8, 3, 2), ("c", [6, 7], 0, 5, 3)])
         out = cache.materialize(sid, ["b", "c"])
         expect(out, "b", [(1, 0, 8), (2, 8, 3)])
@@ -77,7 +81,7 @@ def test_a_same_step_hit_on_a_reused_block_gets_the_new_rows_not_the_prefetched_
     # Block 0 held a's rows; a finishes, block 0 goes to d, which computes it now, and b hits
     # it in the same step. At begin_step the prefetch gathers a's committed rows for b; the
     # save's plan then sees d's claim (a newer version), so none of them may be served.
-    with small_cache(inline_write_bytes=inline_write_bytes) as cache:
+    with small_cache(inline_write_bytes=inline_write_bytes, prefetch_hits=True) as cache:
         sid = step(cache, [NewRequest("a", [0])], [("a", [0], 0, 4, 1)])
         cache.materialize(sid, ["a"])
         cache.flush()
@@ -91,7 +95,7 @@ def test_a_same_step_hit_on_a_reused_block_gets_the_new_rows_not_the_prefetched_
 
 
 def test_a_prefetch_vouches_only_for_rows_committed_before_and_after_its_gather() -> None:
-    with small_cache(inline_write_bytes=0) as cache:
+    with small_cache(inline_write_bytes=0, prefetch_hits=True) as cache:
         sid = step(cache, [NewRequest("a", [0, 1, 2])], [("a", [0, 1, 2], 0, 4, 1)])
         cache.materialize(sid, ["a"])
         cache.flush()  # block 0 committed
@@ -115,7 +119,7 @@ def test_a_prefetch_that_ran_after_the_plan_vouches_only_for_what_the_plan_captu
     # Block 0 committed, block 1 in flight when b's read is planned; the prefetch then runs
     # after block 1's write landed: block 1 is vouched for at the version the plan captured,
     # block 0 too, and b gets exactly a's rows.
-    with small_cache(inline_write_bytes=0) as cache:
+    with small_cache(inline_write_bytes=0, prefetch_hits=True) as cache:
         sid = step(cache, [NewRequest("a", [0, 1, 2])], [("a", [0, 1, 2], 0, 4, 1)])
         cache.materialize(sid, ["a"])
         cache.flush()
@@ -135,7 +139,7 @@ def test_a_prefetch_that_ran_after_the_plan_vouches_only_for_what_the_plan_captu
 
 
 def test_a_prefetch_the_committer_has_not_started_is_given_up_and_the_hit_read_at_materialize() -> None:
-    with small_cache(inline_write_bytes=0) as cache:
+    with small_cache(inline_write_bytes=0, prefetch_hits=True) as cache:
         sid = step(cache, [NewRequest("a", [0, 1, 2])], [("a", [0, 1, 2], 0, 10, 1)])
         cache.materialize(sid, ["a"])
         cache.flush()
@@ -158,7 +162,7 @@ class _BrokenPool:
 
 
 def test_a_prefetch_that_fails_leaves_nothing_prefetched_and_never_raises() -> None:
-    with small_cache() as cache:
+    with small_cache(prefetch_hits=True) as cache:
         sid = step(cache, [NewRequest("a", [0])], [("a", [0], 0, 4, 1)])
         cache.materialize(sid, ["a"])
         planned = [("b", np.arange(4, dtype=np.int64), 4)]
@@ -199,3 +203,72 @@ def test_jobs_still_queued_when_the_committer_stops_are_cancelled_not_run() -> N
     stopper.join(5)
     assert ran == ["cancel"]
     assert not committer.submit(Job()), "a stopped committer takes no job"
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0.0])
+def test_prefetch_hits_takes_none_or_a_bool(value) -> None:
+    with pytest.raises(ConfigError, match="prefetch_hits must be None, True or False"):
+        CacheConfig(num_blocks=4, block_size=4, prefetch_hits=value)
+
+
+def test_no_prefetch_without_a_committer_thread() -> None:
+    with small_cache(threaded=False, prefetch_hits=True) as cache:
+        sid = step(cache, [NewRequest("a", [0, 1])], [("a", [0, 1], 0, 8, 1)])
+        cache.materialize(sid, ["a"])
+        begin(cache, [NewRequest("b", [0, 1, 2], 8)])
+        assert not cache._prefetch.pending
+        sid = save(cache, [("b", [0, 1, 2], 8, 1, 2)])
+        expect(cache.materialize(sid, ["b"]), "b", [(1, 0, 8), (2, 8, 1)])
+        assert cache.stats().rows_prefetched == 0
+
+
+def _prefetch_args():
+    ledger = Ledger(16, 4)
+    key = ledger.add_key()
+    ledger.claim(np.arange(8), key, 1)
+    ledger.commit(1)
+    pool = np.arange(16 * 4, dtype=np.uint8).reshape(16, 4)
+    return ledger, key, pool
+
+
+def test_the_native_gather_copies_runs_and_vouches_for_committed_rows_only() -> None:
+    ledger, key, pool = _prefetch_args()
+    out = np.zeros((6, 4), dtype=np.uint8)
+    versions = prefetch_rows(ledger, key, pool, np.array([6, 7, 8, 2]), out, np.array([0, 1, 4, 5]))
+    assert np.array_equal(out[[0, 1, 4, 5]], pool[[6, 7, 8, 2]])
+    assert not out[2:4].any(), "rows no slot maps to are left alone"
+    assert versions.tolist()[:2] == [versions[0]] * 2 and versions[0] > 0
+    assert versions[2] == 0, "slot 8 was never written"
+    assert versions[3] == versions[0]
+
+
+@pytest.mark.parametrize(
+    ("slots", "dest", "out_shape", "message"),
+    [
+        ([0, 16], [0, 1], (2, 4), r"slot 16 at position 1 is out of range \[0, 16\)"),
+        ([0, -1], [0, 1], (2, 4), "slot -1 at position 1"),
+        ([0, 1], [0, 2], (2, 4), r"output row 2 at position 1 is out of range \[0, 2\)"),
+        ([0, 1], [0], (2, 4), "2 slots but 1 output rows"),
+        ([0, 1], [0, 1], (2, 3), "out rows of 3 bytes from a pool of 4-byte rows"),
+    ],
+)
+def test_the_native_gather_refuses_bad_arguments_copying_nothing(slots, dest, out_shape, message) -> None:
+    ledger, key, pool = _prefetch_args()
+    out = np.zeros(out_shape, dtype=np.uint8)
+    with pytest.raises(InvalidInputError, match=message):
+        prefetch_rows(ledger, key, pool, np.array(slots), out, np.array(dest))
+    assert not out.any()
+
+
+def test_the_native_gather_refuses_arrays_it_cannot_borrow_or_read_as_rows() -> None:
+    ledger, key, pool = _prefetch_args()
+    with pytest.raises(InvalidInputError, match="C-contiguous"):
+        prefetch_rows(ledger, key, pool, np.array([0]), np.zeros((4, 2), dtype=np.uint8).T, np.array([0]))
+    with pytest.raises(InvalidInputError, match="out:"):  # (the pool itself as the output)
+        prefetch_rows(ledger, key, pool, np.array([0]), pool, np.array([1]))
+    read_only = np.zeros((2, 4), dtype=np.uint8)
+    read_only.flags.writeable = False
+    with pytest.raises(InvalidInputError, match="out:"):
+        prefetch_rows(ledger, key, pool, np.array([0]), read_only, np.array([0]))
+    with pytest.raises(InvalidInputError, match="key"):
+        prefetch_rows(ledger, key + 5, pool, np.array([0]), np.zeros((2, 4), dtype=np.uint8), np.array([0]))

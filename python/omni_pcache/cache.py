@@ -144,9 +144,13 @@ class PrefixCache:
             self._tasks, weakly(self._write_tasks), weakly(self._on_write_failure), config.threaded
         )
         self._finalizer = weakref.finalize(self, self._committer.stop, config.claim_timeout_s)
-        submit = self._committer.submit if config.prefetch_hits else lambda job: False
         self._prefetch = HitPrefetcher(
-            self._ledger, self._pool, submit, config.block_size, config.staging_capacity_tokens
+            self._ledger,
+            self._pool,
+            self._committer.submit,
+            config.block_size,
+            config.staging_capacity_tokens,
+            config.prefetch_hits,
         )
 
     # ---- context manager and lifecycle -------------------------------------------------
@@ -392,6 +396,8 @@ class PrefixCache:
                 if self._prefetch.pending:
                     self._prefetch.attach(hits)
                 self._prefetch.specs = specs  # (the keys the next step's hits are prefetched under)
+                if self._prefetch.undecided and cached:
+                    self._prefetch.saw_rows(any(value.is_cuda for _spec, value in cached.values()))
                 self._steps.records[step_id] = StepRecord(
                     step_id, page, handle, shape.n, shape.n_padded, rows, list(cached), hits, kept_leftover, clones,
                     sources, staged, threading.get_ident(), self._copies.epoch, keys.max_row_bytes, arrays is not None,

@@ -9,7 +9,9 @@ no GIL contention); when the committer is writing, the step is queued for it ins
 are empty, for every step (debugging; the engine thread then pays for every pool write).
 
 Between batches the committer also runs side jobs the engine thread hands it (`submit`: a
-hit prefetch, `omni_pcache.prefetch`), outside the write lock, writes first: a job only reads.
+hit prefetch, `omni_pcache.prefetch`), the queued writes first, each under the write lock: a
+prefetch reads the pool natively, which no write may overlap (a small step `save` would
+write itself meanwhile is queued for the committer instead).
 
 A batch that raises is reported to ``on_failure`` with its first task (which makes the cache's
 failure sticky and releases everything); the committer then keeps draining so every queued
@@ -112,7 +114,8 @@ class Committer:
                 job = self._jobs.popleft()
             except IndexError:  # (cancelled by stop meanwhile)
                 return
-            job.run()
+            with self._writing:  # (a prefetch borrows the pool's rows: no write meanwhile)
+                job.run()
             if self._tasks.num_queue_entries:
                 self._drain()
 

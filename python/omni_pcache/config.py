@@ -48,9 +48,13 @@ class CacheConfig:
 
     ``prefetch_hits``: at `PrefixCache.begin_step`, hand the committer thread a gather of each
     new hit's committed prefix rows, which it runs during the forward (`omni_pcache.prefetch`),
-    so `materialize` finds them gathered, usually into the very tensor it returns. Costs the
-    engine thread one wake-up of the committer per step with new hits, and the committer's
-    core the gather; rows are served exactly as without it. Needs ``threaded``.
+    so `materialize` finds them gathered, usually into the very tensor it returns. Rows are
+    served exactly as without it. It costs the engine thread a wake-up of the committer per
+    step with new hits, and the host a core during the forward: a gain where the forward runs
+    on a GPU and leaves the host's cores idle, a loss where a CPU forward needs them (measured
+    on the embedded engine). ``None`` (the default) turns it on once the first save with
+    cached rows brings them on a CUDA device, and leaves it off for CPU rows; ``True`` or
+    ``False`` decide for every step. Needs ``threaded``.
     """
 
     num_blocks: int
@@ -64,7 +68,7 @@ class CacheConfig:
     threaded: bool = True
     inline_write_bytes: int = 256 * 1024
     pin_pool: bool = False
-    prefetch_hits: bool = True
+    prefetch_hits: bool | None = None
 
     def __post_init__(self) -> None:
         positive = {
@@ -81,9 +85,11 @@ class CacheConfig:
         for name, most in (("staging_depth", MAX_STAGING_DEPTH), ("staging_capacity_tokens", MAX_STAGING_TOKENS)):
             if getattr(self, name) > most:
                 raise ConfigError(f"CacheConfig.{name} must be at most {most:,}, got {getattr(self, name)!r}")
-        for name in ("threaded", "pin_pool", "prefetch_hits"):
+        for name in ("threaded", "pin_pool"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"CacheConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.prefetch_hits is not None and not isinstance(self.prefetch_hits, bool):
+            raise ConfigError(f"CacheConfig.prefetch_hits must be None, True or False, got {self.prefetch_hits!r}")
         for name in ("device_budget_bytes", "max_preserved_rows", "inline_write_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -2,14 +2,12 @@
 forward between `PrefixCache.begin_step` and the save that plans the hit's read.
 
 `begin_step` learns each hit's slots (the reads `Deliveries.begin` planned) and hands the
-committer one `PrefetchJob` for the step. Per request and cached key, the job gathers the
-rows the pool holds now into a new tensor with room for this step's rows behind them
-(``room``: what the request's block table holds past the hit, at most a step's rows). A row
-is *vouched for* when the ledger shows its slot committed at the same version before and
-after the gather: no write touched it meanwhile, since every pool write follows a claim,
-which gives the slot a new version, and the pool's writes are serialized (one writer, each
-write's rows scattered before they are committed). A vouched row carries that version; the
-others carry 0, which no claim gives.
+committer one `PrefetchJob` for the step. Per cached key, the job gathers the rows the pool
+holds now for every request into one new tensor, each request's rows followed by room for
+this step's (``room``: what the request's block table holds past the hit, at most a step's
+rows), in one native call without the GIL (`_native.prefetch_rows`). A row is *vouched for*
+when the ledger shows its slot committed at the same version before and after the gather
+(`pcache_core::prefetch`); it carries that version, the others 0, which no claim gives.
 
 At save the hit's read is planned as without a prefetch (`HitReader.plan`) and the request's
 `PrefetchEntry` rides along on its `HitRead` when it read the same slots. At materialize,
@@ -21,7 +19,8 @@ block to spare, is handed those tensors (`OutputBuilder`): its prefix rows are n
 again.
 
 Threads: `HitPrefetcher` on the engine thread (`start` in begin_step, `attach` in save);
-`PrefetchJob.run` on the committer, outside the pool writer's lock (it only reads);
+`PrefetchJob.run` on the committer, under the pool writer's lock (its native gather borrows
+the pool's rows, which no write may overlap) and mostly without the GIL;
 `PrefetchEntry.result` on the materializing thread, which cancels a job the committer has
 not started (materialize then gathers as without it) and waits for one it is running.
 """
@@ -36,9 +35,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from omni_pcache._native import SOURCE_POOL, Ledger
+from omni_pcache._native import Ledger, prefetch_rows
 from omni_pcache.keys import KeySpec
-from omni_pcache.pool import HostPool
+from omni_pcache.pool import HostPool, row_bytes_view
 
 logger = logging.getLogger("omni_pcache")
 
@@ -81,16 +80,17 @@ class PrefetchJob:
         self._results: list[Prefetched | None] = []
 
     def run(self) -> None:
-        """Gathers every planned read (the committer). A job already cancelled does nothing; a
-        gather that raises leaves the job without results (consumers gather for themselves)."""
+        """Gathers every planned read (the committer, holding the pool writer's lock: no write
+        runs meanwhile, and the native gather borrows the pool's rows). A job already cancelled
+        does nothing; a gather that raises leaves the job without results (consumers gather
+        for themselves)."""
         with self._lock:
             if self._state != _PENDING:
                 return
             self._state = _RUNNING
         results: list[Prefetched | None] = []
         try:
-            for _req_id, slots, room in self._planned:
-                results.append(self._gather(slots, room))
+            results = self._gather()
         except Exception:  # (a key dropped meanwhile, memory: the reads are planned at save anyway)
             logger.debug("omni_pcache: a hit prefetch failed; materialize gathers those rows", exc_info=True)
             results = []
@@ -129,30 +129,38 @@ class PrefetchJob:
         self._running.release()
         return True
 
-    def _gather(self, slots: np.ndarray, room: int) -> Prefetched | None:
-        n = int(slots.size)
-        index: torch.Tensor | None = None
-        rows: dict[str, torch.Tensor] = {}
-        versions: dict[str, np.ndarray] = {}
-        key_ids: dict[str, int] = {}
+    def _gather(self) -> list[Prefetched | None]:
+        """Per planned read, its rows gathered into one new tensor per key for the whole job
+        (request ``i`` at rows ``[start_i, start_i + num_rows_i + room_i)``: its read, then its
+        room), by one native call per key (`_native.prefetch_rows`, without the GIL)."""
+        planned = self._planned
+        sizes = [int(slots.size) for _req_id, slots, _room in planned]
+        starts = np.cumsum([0, *(n + room for n, (_r, _s, room) in zip(sizes, planned, strict=True))]).tolist()
+        slots = np.concatenate([slots for _req_id, slots, _room in planned])
+        dest = np.concatenate([np.arange(start, start + n) for start, n in zip(starts[:-1], sizes, strict=True)])
+        gathered: dict[str, tuple[torch.Tensor, np.ndarray, int]] = {}
         for spec in self._specs:
             pool = self._pool.rows_of(spec.name)
-            if pool is None or pool.dtype != spec.dtype or tuple(pool.shape[1:]) != spec.row_shape:
+            if pool is None or not spec.row_bytes:
                 continue
-            before, version = self._ledger.peek(slots, spec.key_id)
-            committed = before == SOURCE_POOL
-            if not committed.any():
+            if pool.dtype != spec.dtype or tuple(pool.shape[1:]) != spec.row_shape:
                 continue
-            if index is None:
-                index = torch.from_numpy(slots)
-            out = torch.empty((n + room, *spec.row_shape), dtype=spec.dtype)
-            torch.index_select(pool, 0, index, out=out[:n])
-            after, version_after = self._ledger.peek(slots, spec.key_id)
-            vouched = committed & (after == SOURCE_POOL) & (version == version_after)
-            rows[spec.name] = out
-            versions[spec.name] = np.where(vouched, version, 0)
-            key_ids[spec.name] = spec.key_id
-        return Prefetched(rows, versions, key_ids, n, self._block_size) if rows else None
+            out = torch.empty((starts[-1], *spec.row_shape), dtype=spec.dtype)
+            pool_bytes = self._pool.byte_rows(spec.name)
+            versions = prefetch_rows(self._ledger, spec.key_id, pool_bytes, slots, row_bytes_view(out), dest)
+            if versions.any():
+                gathered[spec.name] = (out, versions, spec.key_id)
+        if not gathered:
+            return []
+        key_ids = {name: key_id for name, (_out, _versions, key_id) in gathered.items()}
+        results: list[Prefetched | None] = []
+        at = 0
+        for i, n in enumerate(sizes):
+            rows = {name: out[starts[i] : starts[i + 1]] for name, (out, _v, _k) in gathered.items()}
+            versions = {name: v[at : at + n] for name, (_out, v, _k) in gathered.items()}
+            results.append(Prefetched(rows, versions, key_ids, n, self._block_size))
+            at += n
+        return results
 
 
 @dataclass(slots=True)
@@ -176,8 +184,18 @@ class HitPrefetcher:
     save (engine thread). ``submit`` queues a job for the committer (false: not queued)."""
 
     def __init__(
-        self, ledger: Ledger, pool: HostPool, submit: Callable[[PrefetchJob], bool], block_size: int, max_room: int
+        self,
+        ledger: Ledger,
+        pool: HostPool,
+        submit: Callable[[PrefetchJob], bool],
+        block_size: int,
+        max_room: int,
+        enabled: bool | None,
     ) -> None:
+        # ``enabled``: `CacheConfig.prefetch_hits`; None decides at the first save with cached
+        # rows (`saw_rows`): on for rows on a CUDA device.
+        self.enabled = bool(enabled)
+        self.undecided = enabled is None
         self._ledger = ledger
         self._pool = pool
         self._submit = submit
@@ -192,10 +210,16 @@ class HitPrefetcher:
         """Whether a begin_step started prefetches no save has taken yet."""
         return bool(self._entries)
 
+    def saw_rows(self, on_device: bool) -> None:
+        """The first save with cached rows (undecided only): prefetch from now on when they are
+        on a CUDA device, whose forward leaves the host's cores to the committer."""
+        self.enabled = on_device
+        self.undecided = False
+
     def start(self, planned: list[Planned]) -> None:
         """Queues a gather of the ``planned`` reads (begin_step, after the events registered).
-        Nothing before the first save (no key known yet)."""
-        if not self.specs:
+        Nothing while disabled, or before the first save (no key known yet)."""
+        if not self.enabled or not self.specs:
             return
         planned = [(req_id, slots, min(room, self._max_room)) for req_id, slots, room in planned]
         job = PrefetchJob(planned, self.specs, self._ledger, self._pool, self._block_size)

@@ -28,6 +28,7 @@ pub mod hashing;
 pub mod ids;
 pub mod ledger;
 pub mod ledger_outcomes;
+pub mod prefetch;
 pub mod queues;
 pub mod row_scatter;
 mod slot_columns;

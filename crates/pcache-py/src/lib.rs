@@ -13,6 +13,7 @@ mod delivery;
 mod errors;
 mod hashing;
 mod ledger;
+mod prefetch;
 mod registries;
 mod row_bytes;
 mod scatter;
@@ -43,6 +44,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(block_table::block_slots, m)?)?;
     m.add_function(wrap_pyfunction!(claims::claim_step, m)?)?;
     m.add_function(wrap_pyfunction!(scatter::scatter_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(prefetch::prefetch_rows, m)?)?;
     m.add_function(wrap_pyfunction!(scatter::write_step_rows, m)?)?;
     m.add_function(wrap_pyfunction!(scatter::close_step_writes, m)?)?;
     m.add_function(wrap_pyfunction!(scatter::write_step_now, m)?)?;

@@ -59,6 +59,8 @@ class EngineConfig:
     # committer, so a step consumed before the next begin_step reads its rows from the caller's
     # tensors (the engine's steps are otherwise small enough for save to write them itself).
     inline_write_bytes: int | None = None
+    # The cache's `CacheConfig.prefetch_hits` (None: by the outputs' device, so off for CPU ones).
+    prefetch_hits: bool | None = None
     # None: the model's output tensors go to save as they are. A device ("cpu", "cuda", ...):
     # they are copied into persistent buffers on it, reused every step as vLLM's runner reuses
     # its own (see `OutputBuffers`).
@@ -147,6 +149,7 @@ class Engine:
                 claim_timeout_s=60.0,
                 device_budget_bytes=config.device_budget_bytes,
                 **({} if config.inline_write_bytes is None else {"inline_write_bytes": config.inline_write_bytes}),
+                prefetch_hits=config.prefetch_hits,
             )
             if not 0 <= config.consume_lag < cache_config.staging_depth:  # (else save waits for a page forever)
                 raise ValueError(
