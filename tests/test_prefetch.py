@@ -16,7 +16,7 @@ from cachekit import rows, small_cache
 from omni_pcache import CacheConfig, ConfigError, InvalidInputError, NewRequest, StepEvents, WriteTasks
 from omni_pcache._native import Ledger, prefetch_rows
 from omni_pcache.committer import Committer
-from omni_pcache.prefetch import PrefetchJob
+from omni_pcache.prefetch import HitPrefetcher, PrefetchJob
 from test_cache_hits import BS, batch, expect, hold_writes, slots_of
 
 
@@ -272,3 +272,34 @@ def test_the_native_gather_refuses_arrays_it_cannot_borrow_or_read_as_rows() -> 
         prefetch_rows(ledger, key, pool, np.array([0]), read_only, np.array([0]))
     with pytest.raises(InvalidInputError, match="key"):
         prefetch_rows(ledger, key + 5, pool, np.array([0]), np.zeros((2, 4), dtype=np.uint8), np.array([0]))
+
+
+def test_a_read_planned_again_before_its_save_is_served_from_the_later_prefetch() -> None:
+    # b's span is planned twice before its save (continued as new, the same length, other
+    # blocks). a wrote all four blocks in one claim, so the first prefetch's rows carry the
+    # versions the second read captures: only dropping that prefetch keeps a's rows 0..7 out.
+    with small_cache(inline_write_bytes=0, prefetch_hits=True) as cache:
+        sid = step(cache, [NewRequest("a", [0, 1, 2, 3])], [("a", [0, 1, 2, 3], 0, 16, 1)])
+        cache.materialize(sid, ["a"])
+        cache.flush()
+        begin(cache, [NewRequest("b", [0, 1, 5], 8)])
+        first = next(iter(cache._prefetch._entries.values())).job
+        assert first.wait(5)
+        begin(cache, [NewRequest("b", [2, 3, 5], 8)])
+        prefetched_by_committer(cache)
+        sid = save(cache, [("b", [2, 3, 5], 8, 2, 2)])
+        expect(cache.materialize(sid, ["b"]), "b", [(1, 8, 8), (2, 8, 2)])  # blocks 2 and 3, then b's own
+        assert cache.stats().rows_prefetched == 16
+
+
+def test_a_read_planned_again_drops_its_earlier_prefetch_even_when_none_starts_for_it() -> None:
+    # (the committer stopping refuses the second job: the first must not serve the new read)
+    with small_cache(prefetch_hits=True) as cache:
+        step(cache, [NewRequest("a", [0])], [("a", [0], 0, 4, 1)])
+        accept = [True, False]
+        prefetcher = HitPrefetcher(cache._ledger, cache._pool, lambda job: accept.pop(0), BS, 64, True)
+        prefetcher.specs = cache._prefetch.specs
+        prefetcher.start([("b", np.arange(4, dtype=np.int64), 4)])
+        assert prefetcher.pending
+        prefetcher.start([("b", np.arange(4, 8, dtype=np.int64), 4)])
+        assert not prefetcher.pending

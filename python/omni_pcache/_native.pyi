@@ -161,6 +161,21 @@ def scatter_rows(pool: npt.NDArray[np.uint8], rows: npt.NDArray[np.uint8], slots
     Raises ``InvalidInputError``, having written nothing, for a slot outside the pool,
     mismatched widths or a non-contiguous array."""
 
+def prefetch_rows(
+    ledger: Ledger,
+    key_id: int,
+    pool: npt.NDArray[np.uint8],
+    slots: IndexLike,
+    out: npt.NDArray[np.uint8],
+    dest: IndexLike,
+) -> npt.NDArray[np.uint64]:
+    """Copies pool row ``slots[i]`` to row ``dest[i]`` of ``out`` (C-contiguous 2-D uint8 arrays
+    of the same row width; one copy per run), without the GIL, and returns per slot the version
+    the ledger vouches the copied row for on ``key_id`` (committed at that version before and
+    after the copy), else 0. The caller holds the pool writer's lock. Raises
+    ``InvalidInputError``, having copied nothing, for an id outside its array, mismatched
+    widths or lengths, or arrays it cannot borrow."""
+
 def claim_step(
     tasks: WriteTasks,
     ledger: Ledger,
@@ -238,12 +253,14 @@ class Deliveries:
         num_blocks: int,
         dropped: dict[str, int],
         dropped_saves: dict[str, int],
-    ) -> tuple[int, int, list[str]]:
+    ) -> tuple[int, int, list[str], list[tuple[str, npt.NDArray[np.int64], int]]]:
         """A step's events checked, then registered: ``finished`` forgotten, the ``dropped``
         positions of live requests, and what the last ``n`` saves returned for each
         ``dropped_saves`` entry, counted as not delivered, each new and resumed request
-        scheduled. Returns ``(hits, misses, reentered)`` (the live requests
-        scheduled again). Raises `InvalidInputError` for the first problem, changing nothing."""
+        scheduled. Returns ``(hits, misses, reentered, planned)``: the live requests
+        scheduled again, and the pool reads planned for the next save, ``(req_id, slots,
+        room)`` (``room``: positions the request's table holds past the read). Raises
+        `InvalidInputError` for the first problem, changing nothing."""
     def take_step(
         self, rows: dict[str, tuple[int, int]]
     ) -> tuple[dict[str, tuple[int, int, int]], dict[str, npt.NDArray[np.int64]]]:

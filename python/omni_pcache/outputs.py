@@ -10,10 +10,11 @@ handed out as they are when the step has no hits and is returned whole.
 
 The requests' tensors of a key are slices of one new host tensor per chunk of requests, as a
 batch's rows are slices of the batch: one allocation and, for consecutive requests without
-hits, one copy per key instead of one per request. A chunk holds consecutive requests up to
+hits, one copy per key instead of one per request. A chunk holds requests in order up to
 `OUTPUT_CHUNK_BYTES` per key (a larger request gets a chunk of its own). A hit whose prefix
-rows a prefetch gathered into tensors with room for every row the request returns (less than
-a block to spare) gets those tensors instead, as a chunk of its own (`omni_pcache.prefetch`).
+rows a prefetch gathered with room for every row the request returns (less than a block to
+spare) gets those rows instead, as a chunk of its own: slices of the prefetch's tensor for the
+step's hits (`omni_pcache.prefetch`); the other requests share chunks as if it were not there.
 Every returned tensor is the caller's to keep or write; keeping one keeps its chunk's memory.
 """
 
@@ -43,17 +44,17 @@ fresh mapping that pays a page fault per 4 KiB it is written (measured: one 42 M
 key at 8,192 tokens made materialize 2x slower than per-request tensors of ~6 MiB)."""
 
 
-def chunks_around(sizes: Sequence[int], row_bytes: int, own: Sequence[int]) -> list[tuple[int, int]]:
-    """`output_chunks` of the requests between those at the ascending indices ``own``, which
-    get a chunk of their own each, in request order."""
-    bounds: list[tuple[int, int]] = []
-    start = 0
-    for i in (*own, len(sizes)):
-        bounds.extend((start + a, start + b) for a, b in output_chunks(sizes[start:i], row_bytes))
-        if i < len(sizes):
-            bounds.append((i, i + 1))
-        start = i + 1
-    return bounds
+def request_groups(sizes: Sequence[int], row_bytes: int, own: Sequence[int] = ()) -> list[list[int]]:
+    """The requests of each output chunk: those at the indices ``own`` one each (after the
+    others), the others in order, grouped as `output_chunks` groups them (so consecutive
+    unless an ``own`` one sat between them)."""
+    if not own:
+        return [list(range(a, b)) for a, b in output_chunks(sizes, row_bytes)]
+    owned = set(own)
+    rest = [i for i in range(len(sizes)) if i not in owned]
+    groups = [rest[a:b] for a, b in output_chunks([sizes[i] for i in rest], row_bytes)]
+    groups.extend([i] for i in own)
+    return groups
 
 
 def output_chunks(sizes: Sequence[int], row_bytes: int) -> list[tuple[int, int]]:
@@ -135,6 +136,7 @@ class OutputBuilder:
             # Each chunk is one copy of a contiguous span of the step's rows per key.
             self._wait_copy(record, in_place)
             bounds = output_chunks(sizes, record.row_bytes)
+            groups = [list(range(a, b)) for a, b in bounds]
             if record.owned and len(bounds) == 1:  # (the step's own copies, read once: no copy to make)
                 chunks = [sources]
             elif len(bounds) == 1:  # (the usual case: no view to make)
@@ -157,21 +159,19 @@ class OutputBuilder:
                         prefetched[i] = pre = hit.prefetched.result(hit.keys[0].slots, self._timeout_s)
                         if pre is not None and (rows := _own_rows(pre, sizes[i], sources)) is not None:
                             own[i] = rows
-            bounds = (
-                chunks_around(sizes, record.row_bytes, list(own)) if own else output_chunks(sizes, record.row_bytes)
-            )
+            groups = request_groups(sizes, record.row_bytes, list(own))
             chunks = [
-                own[a]
-                if b == a + 1 and a in own
+                own[group[0]]
+                if len(group) == 1 and group[0] in own
                 else {
-                    name: torch.empty((sum(sizes[a:b]), *src.shape[1:]), dtype=src.dtype, device="cpu")
+                    name: torch.empty((sum(sizes[i] for i in group), *src.shape[1:]), dtype=src.dtype, device="cpu")
                     for name, src in sources.items()
                 }
-                for a, b in bounds
+                for group in groups
             ]
             # Hit rows first: they come from the pool, so this step's own copy (run by the
             # committer meanwhile) is usually done by the time its rows are needed.
-            runs = self._serve_hits(record, req_ids, spans, hits, bounds, chunks, prefetched)
+            runs = self._serve_hits(record, req_ids, spans, hits, groups, chunks, prefetched)
             self._wait_copy(record, in_place)
             for out, chunk_runs in zip(chunks, runs, strict=True):  # this step's rows behind the hits'
                 for begin, at, rows in chunk_runs:
@@ -179,9 +179,15 @@ class OutputBuilder:
                         out[name][at : at + rows].copy_(src[begin : begin + rows])
         per_key: dict[str, dict[str, Any]] = {}
         for name in sources:  # one split per chunk and key (a slice per request costs a Python call each)
-            pieces: list[torch.Tensor] = []
-            for (a, b), out in zip(bounds, chunks, strict=True):
-                pieces.extend(torch.split_with_sizes(out[name], sizes[a:b]) if b - a > 1 else (out[name],))
+            if len(groups) == 1:  # (the usual case: the requests in order)
+                out = chunks[0][name]
+                pieces = torch.split_with_sizes(out, sizes) if len(sizes) > 1 else (out,)
+            else:
+                pieces = [None] * len(req_ids)
+                for group, chunk in zip(groups, chunks, strict=True):
+                    parts = torch.split_with_sizes(chunk[name], [sizes[i] for i in group]) if len(group) > 1 else None
+                    for j, i in enumerate(group):
+                        pieces[i] = chunk[name] if parts is None else parts[j]
             per_key[name] = dict(zip(req_ids, pieces, strict=True))
         hidden: dict[str, Any] | None = per_key.pop(HIDDEN) if HIDDEN in per_key else None
         mm: dict[str, dict[str, Any]] = per_key
@@ -202,15 +208,15 @@ class OutputBuilder:
         elif record.leftover:
             record.handle.wait_device()
 
-    def _serve_hits(self, record, req_ids, spans, hits, bounds, chunks, prefetched) -> list[list[tuple[int, int, int]]]:
+    def _serve_hits(self, record, req_ids, spans, hits, groups, chunks, prefetched) -> list[list[tuple[int, int, int]]]:
         """Gathers each hit's rows into the front of its request's rows in its chunk, and plans
         the copies of this step's rows behind them: per chunk, ``(first source row, first
-        output row, rows)`` runs, consecutive requests without hits coalesced into one."""
+        output row, rows)`` runs, requests whose rows follow each other on both sides coalesced."""
         runs: list[list[tuple[int, int, int]]] = []
-        for (a, b), out in zip(bounds, chunks, strict=True):
+        for group, out in zip(groups, chunks, strict=True):
             at = 0  # the chunk's next output row
             chunk_runs: list[tuple[int, int, int]] = []
-            for i in range(a, b):
+            for i in group:
                 hit = hits[i] if hits is not None else None
                 if hit is not None:
                     into = {k: o[at : at + hit.num_rows] for k, o in out.items()}

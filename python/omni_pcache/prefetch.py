@@ -10,7 +10,8 @@ when the ledger shows its slot committed at the same version before and after th
 (`pcache_core::prefetch`); it carries that version, the others 0, which no claim gives.
 
 At save the hit's read is planned as without a prefetch (`HitReader.plan`) and the request's
-`PrefetchEntry` rides along on its `HitRead` when it read the same slots. At materialize,
+`PrefetchEntry` rides along on its `HitRead` (an entry always holds its request's latest
+planned read: `HitPrefetcher.start`). At materialize,
 `HitReader.serve` keeps each prefetched row whose version is the one the plan captured (the
 bytes the pool held at that version) and gathers the others from the pool, then runs the same
 in-flight, clone, seqlock and copy-on-write steps: rows are served exactly as without a
@@ -172,9 +173,11 @@ class PrefetchEntry:
     slots: np.ndarray
 
     def result(self, slots: np.ndarray, timeout_s: float) -> Prefetched | None:
-        """`PrefetchJob.result` when the save planned the read of the same ``slots`` (else
-        ``None``: the request's span changed between begin_step and its save)."""
-        if not np.array_equal(self.slots, slots):
+        """`PrefetchJob.result` for the save's read of ``slots``: the slots this entry read,
+        since an entry is dropped whenever its request's read is planned again
+        (`HitPrefetcher.start`) and every save drops the ones it does not take (`attach`);
+        as a guard, ``None`` for a read of another length."""
+        if self.slots.size != slots.size:
             return None
         return self.job.result(self.index, timeout_s)
 
@@ -219,6 +222,9 @@ class HitPrefetcher:
     def start(self, planned: list[Planned]) -> None:
         """Queues a gather of the ``planned`` reads (begin_step, after the events registered).
         Nothing while disabled, or before the first save (no key known yet)."""
+        entries = self._entries
+        for req_id, _slots, _room in planned:  # (a read planned again: its old prefetch is not its)
+            entries.pop(req_id, None)
         if not self.enabled or not self.specs:
             return
         planned = [(req_id, slots, min(room, self._max_room)) for req_id, slots, room in planned]
