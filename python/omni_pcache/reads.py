@@ -197,8 +197,7 @@ class HitReader:
         the in-flight waits, as without a prefetch). Returns them and the positions read now."""
         n = read.slots.size
         head = prefetched.rows[read.spec.name][:n]
-        captured = self._ledger.captured_versions(read.plan.read_id)
-        stale = np.flatnonzero(captured != prefetched.versions[read.spec.name])  # (0: not vouched for)
+        stale = self._ledger.unvouched(read.plan.read_id, prefetched.versions[read.spec.name])
         if dest is None:
             rows = head.clone()
         elif dest.data_ptr() != head.data_ptr():

@@ -133,6 +133,31 @@ impl Ledger {
             .collect())
     }
 
+    /// Positions (in the read's slot order) whose captured version is not `versions`' entry
+    /// there: the rows a prefetch did not vouch for at the version this read captured (see
+    /// [`crate::prefetch`]). Refuses `versions` of another length than the read's.
+    pub fn unvouched(&self, read: ReadId, versions: &[u64]) -> Result<Vec<i64>> {
+        let r = self.reads.get(&read).ok_or(Error::UnknownRead { read })?;
+        let len: usize = r.runs.iter().map(|rr| rr.run.len as usize).sum();
+        if versions.len() != len {
+            return Err(Error::InvalidInput {
+                what: format!("{} versions for a read of {len} slots", versions.len()),
+            });
+        }
+        let mut out = Vec::new();
+        let mut position = 0;
+        for rr in &r.runs {
+            let end = position + rr.run.len as usize;
+            let run = &versions[position..end];
+            if run.iter().any(|&v| v != rr.version) {
+                let stale = (position..end).filter(|&p| versions[p] != rr.version);
+                out.extend(stale.map(|p| p as i64));
+            }
+            position = end;
+        }
+        Ok(out)
+    }
+
     /// Positions (in the read's slot order) whose row moved since the read was planned: the
     /// version changed (a newer claim), or the row became absent (its writer failed).
     pub fn validate(&self, read: ReadId) -> Result<Vec<i64>> {

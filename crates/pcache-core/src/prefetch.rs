@@ -80,5 +80,13 @@ mod tests {
         assert!(v1 > 0);
         assert_eq!(&got[..4], &[v1; 4], "committed throughout");
         assert_eq!(&got[4..], &[0; 8], "rewritten meanwhile, or in flight");
+        // A later read of the same slots keeps the vouched rows whose version it captured.
+        let plan = ledger.plan_read(&slots, key).unwrap();
+        let stale = ledger.unvouched(plan.read, &got).unwrap();
+        assert_eq!(stale, (4..12).collect::<Vec<i64>>());
+        assert!(
+            ledger.unvouched(plan.read, &got[1..]).is_err(),
+            "another length"
+        );
     }
 }

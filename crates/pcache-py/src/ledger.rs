@@ -297,6 +297,25 @@ impl Ledger {
         Ok(uint_array(py, versions.py_err()?))
     }
 
+    /// Positions of the read whose captured version differs from ``versions`` there (a
+    /// prefetch's vouched versions, 0 where none): the rows to read from the pool instead.
+    fn unvouched(
+        &self,
+        py: Python<'_>,
+        read_id: u64,
+        versions: numpy::PyReadonlyArray1<'_, u64>,
+    ) -> PyResult<Py<PyArray1<i64>>> {
+        let versions = versions
+            .as_slice()
+            .map_err(|err| invalid_input(format!("versions: {err}")))?;
+        let stale = self
+            .inner
+            .lock()
+            .unvouched(ReadId(read_id), versions)
+            .py_err()?;
+        Ok(int_array(py, stale))
+    }
+
     /// Positions of the read whose rows moved since it was planned.
     fn validate(&self, py: Python<'_>, read_id: u64) -> PyResult<Py<PyArray1<i64>>> {
         let moved = self.inner.lock().validate(ReadId(read_id)).py_err()?;
