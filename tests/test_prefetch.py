@@ -303,3 +303,16 @@ def test_a_read_planned_again_drops_its_earlier_prefetch_even_when_none_starts_f
         assert prefetcher.pending
         prefetcher.start([("b", np.arange(4, 8, dtype=np.int64), 4)])
         assert not prefetcher.pending
+
+
+def test_unvouched_names_the_rows_a_read_cannot_take_from_a_prefetch() -> None:
+    ledger, key, _pool = _prefetch_args()
+    plan = ledger.plan_read(np.arange(4, 12), key)
+    version = ledger.captured_versions(plan.read_id)[0]
+    vouched = np.array([version] * 4 + [0] * 4, dtype=np.uint64)
+    assert ledger.unvouched(plan.read_id, vouched).tolist() == [4, 5, 6, 7]
+    with pytest.raises(InvalidInputError, match="3 versions for a read of 8 slots"):
+        ledger.unvouched(plan.read_id, vouched[:3])
+    ledger.release(plan.read_id)
+    with pytest.raises(InvalidInputError):
+        ledger.unvouched(plan.read_id, vouched)

@@ -134,8 +134,9 @@ impl Ledger {
     }
 
     /// Positions (in the read's slot order) whose captured version is not `versions`' entry
-    /// there: the rows a prefetch did not vouch for at the version this read captured (see
-    /// [`crate::prefetch`]). Refuses `versions` of another length than the read's.
+    /// there, or whose entry is 0: the rows a prefetch did not vouch for at the version this
+    /// read captured (see [`crate::prefetch`]). Refuses `versions` of another length than the
+    /// read's.
     pub fn unvouched(&self, read: ReadId, versions: &[u64]) -> Result<Vec<i64>> {
         let r = self.reads.get(&read).ok_or(Error::UnknownRead { read })?;
         let len: usize = r.runs.iter().map(|rr| rr.run.len as usize).sum();
@@ -149,8 +150,10 @@ impl Ledger {
         for rr in &r.runs {
             let end = position + rr.run.len as usize;
             let run = &versions[position..end];
-            if run.iter().any(|&v| v != rr.version) {
-                let stale = (position..end).filter(|&p| versions[p] != rr.version);
+            // (0 marks a row not vouched for, even where the read captured no row: version 0)
+            if run.iter().any(|&v| v != rr.version || v == 0) {
+                let stale =
+                    (position..end).filter(|&p| versions[p] != rr.version || versions[p] == 0);
                 out.extend(stale.map(|p| p as i64));
             }
             position = end;
