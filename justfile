@@ -70,6 +70,7 @@ bench: setup develop
     .venv-bench/bin/python benches/step_overhead.py --first ours --out benches/results/step_overhead_ours_first.json
     .venv-bench/bin/python benches/step_overhead.py --first theirs  # (each row in both orders: the README's ranges span both)
     .venv-bench/bin/python benches/step_overhead.py --sizes 8192 --malloc-reuse  # (writes benches/results/step_overhead_malloc_reuse.json)
+    .venv-bench/bin/python benches/step_overhead.py --first theirs --no-prefetch --out benches/results/step_overhead_no_prefetch.json  # (ours as a cache with CPU outputs runs by default)
     python benches/hashing.py
     python benches/engine.py
     python benches/cold_floor.py
