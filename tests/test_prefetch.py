@@ -45,6 +45,18 @@ def prefetched_by_committer(cache) -> None:
         assert job.wait(5), "the committer never ran the prefetch"
 
 
+def block_0_committed_and_block_1_in_flight(cache) -> threading.Event:
+    """a's rows 0..3 in block 0, written; its rows 4..7 in block 1, their write held until the
+    returned gate is set (the committer waits inside it)."""
+    sid = step(cache, [NewRequest("a", [0, 1, 2])], [("a", [0, 1, 2], 0, 4, 1)])
+    cache.materialize(sid, ["a"])
+    cache.flush()
+    gate = hold_writes(cache)
+    sid = step(cache, [], [("a", [0, 1, 2], 4, 4, 1)])
+    cache.materialize(sid, ["a"])
+    return gate
+
+
 @pytest.mark.parametrize("prefetch_hits", [True, False, None])
 def test_a_hit_is_served_from_its_prefetch_into_the_tensor_it_returns(prefetch_hits: bool | None) -> None:
     # (None, the default, decides by the rows' device: CPU rows here, so no prefetch)
@@ -96,12 +108,7 @@ def test_a_same_step_hit_on_a_reused_block_gets_the_new_rows_not_the_prefetched_
 
 def test_a_prefetch_vouches_only_for_rows_committed_before_and_after_its_gather() -> None:
     with small_cache(inline_write_bytes=0, prefetch_hits=True) as cache:
-        sid = step(cache, [NewRequest("a", [0, 1, 2])], [("a", [0, 1, 2], 0, 4, 1)])
-        cache.materialize(sid, ["a"])
-        cache.flush()  # block 0 committed
-        gate = hold_writes(cache)
-        sid = step(cache, [], [("a", [0, 1, 2], 4, 4, 1)])  # block 1: its write held in flight
-        cache.materialize(sid, ["a"])
+        gate = block_0_committed_and_block_1_in_flight(cache)
         job = PrefetchJob([("b", slots_of([0, 1], 0, 8, BS), 4)], cache._prefetch.specs, cache._ledger, cache._pool, BS)
         job.run()  # (here, on the test's thread: the committer is held inside block 1's write)
         got = job.result(0, 1.0)
@@ -120,12 +127,7 @@ def test_a_prefetch_that_ran_after_the_plan_vouches_only_for_what_the_plan_captu
     # after block 1's write landed: block 1 is vouched for at the version the plan captured,
     # block 0 too, and b gets exactly a's rows.
     with small_cache(inline_write_bytes=0, prefetch_hits=True) as cache:
-        sid = step(cache, [NewRequest("a", [0, 1, 2])], [("a", [0, 1, 2], 0, 4, 1)])
-        cache.materialize(sid, ["a"])
-        cache.flush()
-        gate = hold_writes(cache)
-        sid = step(cache, [], [("a", [0, 1, 2], 4, 4, 1)])
-        cache.materialize(sid, ["a"])
+        gate = block_0_committed_and_block_1_in_flight(cache)
         begin(cache, [NewRequest("b", [0, 1, 3], 8)])
         sid = save(cache, [("b", [0, 1, 3], 8, 2, 2)])
         gate.set()
