@@ -49,7 +49,7 @@ class CacheConfig:
     ``prefetch_hits``: at `PrefixCache.begin_step`, hand the committer thread a gather of each
     new hit's committed prefix rows, which it runs during the forward (`omni_pcache.prefetch`),
     so `materialize` finds them gathered, usually into the very tensor it returns. Rows are
-    served exactly as without it. It costs the engine thread a wake-up of the committer per
+    served exactly as without it. It costs the engine thread at most a wake-up of the committer per
     step with new hits, and the host a core during the forward: a gain where the forward runs
     on a GPU and leaves the host's cores idle, a loss where a CPU forward needs them (measured
     on the embedded engine). ``None`` (the default) turns it on once the first save with
