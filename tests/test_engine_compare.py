@@ -185,6 +185,12 @@ def test_cache_counters_that_disagree_with_the_engine_fail_the_run() -> None:
     assert line.endswith(
         f"materialize returned {cached.prefix_rows_returned} rows ahead of their steps' own, for 2 cached keys"
     )
+    pool_or_in_flight = stats.rows_from_pool + stats.rows_in_flight
+    cached.cache_stats = replace(stats, rows_prefetched=pool_or_in_flight + 1)
+    assert compare(cached, reference, 0.0).mismatches == [
+        f"cache counted {pool_or_in_flight + 1} hit rows served from prefetches, more than the "
+        f"{pool_or_in_flight} it served from the pool and in-flight writes"
+    ]
 
 
 def test_rows_of_another_dtype_fail_the_run_even_when_equal_in_value() -> None:

@@ -195,6 +195,7 @@ def test_rows_served_from_hit_prefetches_equal_the_reference(name, config, workl
     config = replace(config, model="prefix-hash", prefetch_hits=True)
     cached, result = check(config, workload, num_requests, seed, abort_rate)
     assert result.rows_checked > 0 and cached.hit_tokens > 0
+    assert cached.cache_stats.rows_prefetched > 0, "no hit row came from a prefetch"
 
 
 @pytest.mark.cuda

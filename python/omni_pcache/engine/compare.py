@@ -105,7 +105,8 @@ def miscounted(cached: EngineResult, stats: CacheStats) -> list[str]:
     """The cache's counters against what the engine saw, each disagreement as a mismatch line:
     its hits and misses against the requests the scheduler admitted for the first time with and
     without a prefix hit; the hit rows it served (counted once per cached key) against the rows
-    materialize returned ahead of each step's own."""
+    materialize returned ahead of each step's own; and the rows a prefetch served within those
+    from the pool and in-flight writes (a preserved copy is never a prefetch's)."""
     wrong = []
     if (stats.hits, stats.misses) != (cached.new_hits, cached.new_misses):
         wrong.append(
@@ -118,6 +119,11 @@ def miscounted(cached: EngineResult, stats: CacheStats) -> list[str]:
         wrong.append(
             f"cache counted {served} hit rows served; materialize returned {cached.prefix_rows_returned} rows "
             f"ahead of their steps' own, for {num_keys} cached keys"
+        )
+    if stats.rows_prefetched > stats.rows_from_pool + stats.rows_in_flight:
+        wrong.append(
+            f"cache counted {stats.rows_prefetched} hit rows served from prefetches, more than the "
+            f"{stats.rows_from_pool + stats.rows_in_flight} it served from the pool and in-flight writes"
         )
     return wrong
 
