@@ -13,8 +13,16 @@ import pytest
 import torch
 
 from cachekit import rows, small_cache
-from omni_pcache import CacheConfig, ConfigError, InvalidInputError, NewRequest, StepEvents, WriteTasks
-from omni_pcache._native import Ledger, prefetch_rows
+from omni_pcache import (
+    CacheConfig,
+    ConfigError,
+    InvalidInputError,
+    NewRequest,
+    ResumedRequest,
+    StepEvents,
+    WriteTasks,
+)
+from omni_pcache._native import Deliveries, Ledger, prefetch_rows
 from omni_pcache.committer import Committer
 from omni_pcache.prefetch import HitPrefetcher, PrefetchJob
 from test_cache_hits import BS, batch, expect, hold_writes, slots_of
@@ -318,3 +326,17 @@ def test_unvouched_names_the_rows_a_read_cannot_take_from_a_prefetch() -> None:
     ledger.release(plan.read_id)
     with pytest.raises(InvalidInputError):
         ledger.unvouched(plan.read_id, vouched)
+
+
+@pytest.mark.parametrize("plan_reads", [True, False])
+def test_begin_hands_out_the_planned_reads_only_when_asked(plan_reads: bool) -> None:
+    deliveries = Deliveries(4)
+    hit = NewRequest("b", [3, 1, 5], 8)
+    *_, planned = deliveries.begin([], [hit], [], NewRequest, ResumedRequest, 8, {}, {}, plan_reads)
+    if plan_reads:
+        [(req_id, slots, room)] = planned
+        assert (req_id, slots.tolist(), room) == ("b", [12, 13, 14, 15, 4, 5, 6, 7], 4)
+    else:
+        assert planned == []
+    _, reads = deliveries.take_step({"b": (0, 2)})
+    assert reads["b"].tolist() == [12, 13, 14, 15, 4, 5, 6, 7], "the read is planned either way"

@@ -256,13 +256,15 @@ class Deliveries:
         num_blocks: int,
         dropped: dict[str, int],
         dropped_saves: dict[str, int],
+        plan_reads: bool,
     ) -> tuple[int, int, list[str], list[tuple[str, npt.NDArray[np.int64], int]]]:
         """A step's events checked, then registered: ``finished`` forgotten, the ``dropped``
         positions of live requests, and what the last ``n`` saves returned for each
         ``dropped_saves`` entry, counted as not delivered, each new and resumed request
         scheduled. Returns ``(hits, misses, reentered, planned)``: the live requests
-        scheduled again, and the pool reads planned for the next save, ``(req_id, slots,
-        room)`` (``room``: positions the request's table holds past the read). Raises
+        scheduled again, and with ``plan_reads`` the pool reads planned for the next save,
+        ``(req_id, slots, room)`` (``room``: positions the request's table holds past the read;
+        empty without it). Raises
         `InvalidInputError` for the first problem, changing nothing."""
     def take_step(
         self, rows: dict[str, tuple[int, int]]

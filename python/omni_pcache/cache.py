@@ -248,7 +248,15 @@ class PrefixCache:
         dropped = as_id_map(events.dropped, "StepEvents.dropped")
         dropped_saves = as_id_map(events.dropped_saves, "StepEvents.dropped_saves", "numbers of saves")
         hits, misses, reentered, planned = self._delivery.begin(
-            finished, new, resumed, NewRequest, ResumedRequest, self._config.num_blocks, dropped, dropped_saves
+            finished,
+            new,
+            resumed,
+            NewRequest,
+            ResumedRequest,
+            self._config.num_blocks,
+            dropped,
+            dropped_saves,
+            self._prefetch.enabled,  # (the planned reads' slots, only for a prefetch to gather)
         )
         if planned:  # (off the engine thread, during the forward: `omni_pcache.prefetch`)
             self._prefetch.start(planned)

@@ -156,8 +156,9 @@ impl Deliveries {
     /// `num_computed_tokens > 0` is a prefix hit and must cover whole blocks; a live one may
     /// have computed any count. Returns `(hits, misses, reentered, planned)`: the new hits and
     /// misses, the live requests scheduled again (resumed, or continued as new), in event
-    /// order, and the pool reads planned for their next save, `(req_id, slots, room)` in event
-    /// order (``room``: positions the table holds past the read; what a prefetch gathers early).
+    /// order, and with `plan_reads` the pool reads planned for their next save, `(req_id, slots,
+    /// room)` in event order (``room``: positions the table holds past the read; what a
+    /// prefetch gathers early; none made without it, when nothing would prefetch them).
     /// Raises `InvalidInputError` for the first problem, having changed nothing.
     #[allow(clippy::too_many_arguments)] // (the events' parts, and the two request types)
     fn begin(
@@ -170,6 +171,7 @@ impl Deliveries {
         num_blocks: u32,
         dropped: &Bound<'_, PyDict>,
         dropped_saves: &Bound<'_, PyDict>,
+        plan_reads: bool,
     ) -> PyResult<Begun> {
         let finished = finished
             .try_iter()?
@@ -254,7 +256,7 @@ impl Deliveries {
                 .inner
                 .schedule(&req.req_id, &req.blocks, req.num_computed)
                 .py_err()?;
-            if reads {
+            if reads && plan_reads {
                 let slots = self.inner.pending_read(&req.req_id).unwrap_or_default();
                 let room = (req.blocks.len() * bs).saturating_sub(req.num_computed);
                 planned.push((req.req_id, int_array(py, slots.to_vec()), room));
