@@ -18,7 +18,7 @@ pub fn paired_runs<'a>(
     std::iter::from_fn(move || {
         let start = i;
         let (&s, &d) = (slots.get(i)?, dest.get(i)?);
-        i += 1;
+        i += 1; // (the run's first pair, always: each call moves on, whatever the test below says)
         while i < slots.len().min(dest.len())
             && slots[i] == s + (i - start) as i64
             && dest[i] == d + (i - start) as i64
@@ -87,6 +87,36 @@ mod tests {
         assert!(
             ledger.unvouched(plan.read, &got[1..]).is_err(),
             "another length"
+        );
+    }
+
+    #[test]
+    fn a_read_keeps_only_rows_vouched_at_the_version_it_captured() {
+        let mut ledger = Ledger::new(16, 4).unwrap();
+        let key = ledger.add_key();
+        let slots: Vec<i64> = (0..12).collect();
+        ledger.claim(&slots, key, TaskId(1)).unwrap();
+        ledger.commit(TaskId(1)).unwrap();
+        let v1 = ledger.peek(&slots, key).unwrap().1[0];
+        // A prefetch vouched for every row at v1 but one (position 2); then slots 4..8 were
+        // rewritten (v2) before the read was planned.
+        let mut vouched_at = vec![v1; 12];
+        vouched_at[2] = 0;
+        ledger.claim(&slots[4..8], key, TaskId(2)).unwrap();
+        ledger.commit(TaskId(2)).unwrap();
+        let plan = ledger.plan_read(&slots, key).unwrap();
+        let stale = ledger.unvouched(plan.read, &vouched_at).unwrap();
+        assert_eq!(
+            stale,
+            vec![2, 4, 5, 6, 7],
+            "the unvouched row, and the rows vouched at an older version than the read's"
+        );
+        // A read of slots nobody wrote captured no row (version 0): never served from a prefetch.
+        let never: Vec<i64> = (12..16).collect();
+        let empty = ledger.plan_read(&never, key).unwrap();
+        assert_eq!(
+            ledger.unvouched(empty.read, &[0; 4]).unwrap(),
+            vec![0, 1, 2, 3]
         );
     }
 }
