@@ -195,6 +195,16 @@ def test_output_chunks_group_consecutive_requests_up_to_the_chunk_bytes(monkeypa
     assert outputs.output_chunks([1, 1, 1], 64) == [(0, 1), (1, 2), (2, 3)]  # a row wider than a chunk
 
 
+def test_request_groups_chunk_the_others_as_if_the_requests_with_tensors_of_their_own_were_not_there(
+    monkeypatch,
+) -> None:
+    monkeypatch.setattr(outputs, "OUTPUT_CHUNK_BYTES", 4 * 8)  # 4 rows of 8 bytes
+    assert outputs.request_groups([2, 5, 2], 8) == [[0], [1], [2]]
+    # (request 1 has its own tensor, a hit's prefetched one: 0 and 2 share a chunk, 1 comes after them)
+    assert outputs.request_groups([2, 5, 2], 8, [1]) == [[0, 2], [1]]
+    assert outputs.request_groups([2, 5, 2, 1], 8, [0]) == [[1], [2, 3], [0]]
+
+
 def test_after_reuse_hits_read_the_new_tenant() -> None:
     with small_cache() as cache:
         cache.materialize(run_step(cache, [NewRequest("a", [0, 1])], reqs=[("a", [0, 1], 0, 8, 1)]), ["a"])

@@ -15,6 +15,7 @@ import torch
 from cachekit import rows, small_cache
 from omni_pcache import (
     CacheConfig,
+    CachePolicy,
     ConfigError,
     InvalidInputError,
     NewRequest,
@@ -78,6 +79,7 @@ def test_a_hit_is_served_from_its_prefetch_into_the_tensor_it_returns(prefetch_h
         else:
             assert not cache._prefetch.pending, "no prefetch started"
         sid = save(cache, [("b", [0, 1, 5], 8, 3, 2), ("c", [6, 7], 0, 5, 3)])
+        assert not cache._prefetch.pending, "the save took b's prefetch: no later save may"
         out = cache.materialize(sid, ["b", "c"])
         expect(out, "b", [(1, 0, 8), (2, 8, 3)])
         expect(out, "c", [(3, 0, 5)])
@@ -119,6 +121,7 @@ def test_a_prefetch_vouches_only_for_rows_committed_before_and_after_its_gather(
         gate = block_0_committed_and_block_1_in_flight(cache)
         job = PrefetchJob([("b", slots_of([0, 1], 0, 8, BS), 4)], cache._prefetch.specs, cache._ledger, cache._pool, BS)
         job.run()  # (here, on the test's thread: the committer is held inside block 1's write)
+        assert job.wait(0), "a job that ran is done"
         got = job.result(0, 1.0)
         gate.set()
         cache.flush()
@@ -188,7 +191,7 @@ def test_jobs_still_queued_when_the_committer_stops_are_cancelled_not_run() -> N
 
     def write(batch):
         entered.set()
-        assert release.wait(5)
+        assert release.wait(10)  # (longer than the wait for the cancel below)
 
     committer = Committer(tasks, write, lambda *a: None, threaded=True)
     ran: list[str] = []
@@ -209,6 +212,7 @@ def test_jobs_still_queued_when_the_committer_stops_are_cancelled_not_run() -> N
     deadline = time.monotonic() + 5
     while not ran and time.monotonic() < deadline:  # (stop cancels it while the write holds the committer)
         time.sleep(0.001)
+    assert ran == ["cancel"], "stop cancels a queued job at once, not once the write is done"
     release.set()
     stopper.join(5)
     assert ran == ["cancel"]
@@ -340,3 +344,204 @@ def test_begin_hands_out_the_planned_reads_only_when_asked(plan_reads: bool) -> 
         assert planned == []
     _, reads = deliveries.take_step({"b": (0, 2)})
     assert reads["b"].tolist() == [12, 13, 14, 15, 4, 5, 6, 7], "the read is planned either way"
+
+
+def test_each_hit_of_a_step_is_matched_against_the_versions_gathered_for_its_own_slots() -> None:
+    # b hits a's block 1 and c its block 0, written by two steps (two versions): both are
+    # served from the one job's prefetch, each vouched for by its own part of it.
+    with small_cache(prefetch_hits=True) as cache:
+        for start in (0, 4):
+            sid = step(cache, [NewRequest("a", [0, 1, 2])] if start == 0 else [], [("a", [0, 1, 2], start, 4, 1)])
+            cache.materialize(sid, ["a"])
+        cache.flush()
+        begin(cache, [NewRequest("b", [1, 5], 4), NewRequest("c", [0, 6], 4)])
+        prefetched_by_committer(cache)
+        sid = save(cache, [("b", [1, 5], 4, 1, 2), ("c", [0, 6], 4, 1, 3)])
+        out = cache.materialize(sid, ["b", "c"])
+        expect(out, "b", [(1, 4, 4), (2, 4, 1)])
+        expect(out, "c", [(1, 0, 4), (3, 4, 1)])
+        assert cache.stats().rows_prefetched == 16  # both hits' 4 rows, hidden and codes
+
+
+@pytest.mark.parametrize(
+    ("staging", "blocks", "count", "storage_rows"),
+    [
+        (64, [0, 1, 5], 4, 12),  # 8 + 4 rows: the 12 the prefetch gathered into
+        (64, [0, 1, 5, 6], 4, 14),  # 16 gathered into, a block to spare: a chunk shared with c
+        (10, [0, 1, 5, 6, 7], 7, 18),  # room for a step's rows past the hit (10), not the table's 12
+    ],
+    ids=["exact-fit", "a-block-to-spare", "room-of-one-step"],
+)
+def test_a_hit_gets_its_prefetched_tensor_only_with_less_than_a_block_to_spare(
+    staging: int, blocks: list[int], count: int, storage_rows: int
+) -> None:
+    with small_cache(staging_capacity_tokens=staging, prefetch_hits=True) as cache:
+        sid = step(cache, [NewRequest("a", [0, 1])], [("a", [0, 1], 0, 8, 1)])
+        cache.materialize(sid, ["a"])
+        cache.flush()
+        begin(cache, [NewRequest("b", blocks, 8), NewRequest("c", [9])])
+        prefetched_by_committer(cache)
+        sid = save(cache, [("b", blocks, 8, count, 2), ("c", [9], 0, 2, 3)])
+        out = cache.materialize(sid, ["b", "c"])
+        expect(out, "b", [(1, 0, 8), (2, 8, count)])
+        expect(out, "c", [(3, 0, 2)])
+        assert out.hidden["b"].untyped_storage().nbytes() // out.hidden["b"][0].nbytes == storage_rows
+
+
+def test_a_prefetched_row_overwritten_before_materialize_is_served_from_its_preserved_copy() -> None:
+    # The prefetch vouches for both of a's blocks at the versions b's plan captures; block 0 is
+    # then reused before b's step is materialized: those rows are preserved ones, not prefetched.
+    with small_cache(prefetch_hits=True) as cache:
+        sid = step(cache, [NewRequest("a", [0, 1])], [("a", [0, 1], 0, 8, 1)])
+        cache.materialize(sid, ["a"])
+        cache.flush()
+        begin(cache, [NewRequest("b", [0, 1, 2], 8)], finished=["a"])
+        prefetched_by_committer(cache)
+        hit_step = save(cache, [("b", [0, 1, 2], 8, 3, 2)])
+        reuse_step = step(cache, [NewRequest("c", [0, 3])], [("c", [0, 3], 0, 5, 3)], finished=["b"])
+        expect(cache.materialize(hit_step, ["b"]), "b", [(1, 0, 8), (2, 8, 3)])
+        stats = cache.stats()
+        assert (stats.rows_preserved, stats.rows_from_pool, stats.rows_prefetched) == (8, 8, 8)
+        expect(cache.materialize(reuse_step, ["c"]), "c", [(3, 0, 5)])
+
+
+def test_a_hit_in_a_step_that_caches_no_key_ignores_its_prefetch() -> None:
+    with small_cache(prefetch_hits=True, policy=CachePolicy(cache_hidden=False)) as cache:
+        begin(cache, [NewRequest("a", [0, 1])])
+        codes = rows(1, 0, 8, width=2, dtype=torch.int64)
+        sid = cache.save(None, {"codes": codes}, batch([("a", 8)], [slots_of([0, 1], 0, 8, BS)]))
+        cache.materialize(sid, ["a"])
+        cache.flush()
+        begin(cache, [NewRequest("b", [0, 1, 2], 8)])
+        prefetched_by_committer(cache)
+        sid = cache.save(None, {}, batch([("b", 1)], [slots_of([0, 1, 2], 8, 1, BS)]))
+        out = cache.materialize(sid, ["b"])
+        assert out.hidden is None and out.mm == {}
+
+
+def test_a_key_of_rows_without_bytes_is_read_from_the_pool_the_others_from_the_prefetch() -> None:
+    with small_cache(prefetch_hits=True) as cache:
+        begin(cache, [NewRequest("a", [0, 1])])
+        empty = {"codes": rows(1, 0, 8, width=2, dtype=torch.int64), "none": torch.zeros(8, 0)}
+        sid = cache.save(rows(1, 0, 8), empty, batch([("a", 8)], [slots_of([0, 1], 0, 8, BS)]))
+        cache.materialize(sid, ["a"])
+        cache.flush()
+        begin(cache, [NewRequest("b", [0, 1, 2], 8)])
+        prefetched_by_committer(cache)
+        mm = {"codes": rows(2, 8, 1, width=2, dtype=torch.int64), "none": torch.zeros(1, 0)}
+        sid = cache.save(rows(2, 8, 1), mm, batch([("b", 1)], [slots_of([0, 1, 2], 8, 1, BS)]))
+        out = cache.materialize(sid, ["b"])
+        expect(out, "b", [(1, 0, 8), (2, 8, 1)])
+        assert out.mm["none"]["b"].shape == (9, 0)
+        assert cache.stats().rows_prefetched == 16  # hidden and codes; "none" has no bytes to gather
+
+
+class _HeldPool:
+    """The cache's pool, whose gather holds until ``go`` is set (``started`` once it holds)."""
+
+    def __init__(self, pool, started: threading.Event, go: threading.Event) -> None:
+        self._pool, self._started, self._go = pool, started, go
+
+    def rows_of(self, key: str) -> torch.Tensor | None:
+        self._started.set()
+        assert self._go.wait(5), "nobody waited for the job"
+        return self._pool.rows_of(key)
+
+    def byte_rows(self, key: str) -> np.ndarray:
+        return self._pool.byte_rows(key)
+
+
+class _GoOnWait:
+    """A job's end-of-run lock that sets ``go`` as a consumer starts to wait on it."""
+
+    def __init__(self, lock, go: threading.Event) -> None:
+        self._lock, self._go = lock, go
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        self._go.set()
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+
+def test_a_consumer_that_finds_its_prefetch_running_waits_for_its_rows() -> None:
+    with small_cache(prefetch_hits=True) as cache:
+        sid = step(cache, [NewRequest("a", [0])], [("a", [0], 0, 4, 1)])
+        cache.materialize(sid, ["a"])
+        cache.flush()
+        started, go = threading.Event(), threading.Event()
+        pool = _HeldPool(cache._pool, started, go)
+        job = PrefetchJob([("b", slots_of([0], 0, 4, BS), 0)], cache._prefetch.specs, cache._ledger, pool, BS)
+        job._running = _GoOnWait(job._running, go)  # (the gather goes on once the consumer waits for it)
+        runner = threading.Thread(target=job.run)
+        runner.start()
+        assert started.wait(5)
+        got = job.result(0, 5.0)
+        runner.join(5)
+        assert got is not None, "a running prefetch was given up"
+        assert torch.equal(got.rows["hidden"][:4], rows(1, 0, 4))
+
+
+def test_writes_queued_while_a_side_job_runs_go_before_the_next_job() -> None:
+    tasks = WriteTasks()
+    first, second = tasks.create(), tasks.create()
+    release, done = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def write(batch) -> None:
+        assert release.wait(5)
+        order.append("write")
+
+    class Job:
+        def __init__(self, name: str, then: int | None = None) -> None:
+            self.name, self.then = name, then
+
+        def run(self) -> None:
+            order.append(self.name)
+            if self.then is None:
+                done.set()
+            else:
+                tasks.enqueue_many([self.then])
+
+        def cancel(self) -> None:
+            order.append("cancel")
+
+    committer = Committer(tasks, write, lambda *a: None, threaded=True)
+    tasks.enqueue_many([first])
+    committer.notify(1)
+    assert committer.submit(Job("job 1", then=second)) and committer.submit(Job("job 2"))
+    release.set()
+    assert done.wait(5)
+    committer.stop(5.0)
+    assert order == ["write", "job 1", "write", "job 2"]
+
+
+def test_a_job_queued_just_before_the_committer_sleeps_is_run_without_a_wake_up() -> None:
+    # (a submit that found the committer still awake woke nobody: the committer must see the
+    # job when it checks for work before it sleeps; simulated here inside that check)
+    tasks, ran, wrote, box = WriteTasks(), threading.Event(), threading.Event(), []
+
+    class Job:
+        def run(self) -> None:
+            ran.set()
+
+        def cancel(self) -> None:
+            pass
+
+    class Tasks:  # the committer's queue, a job slipped in at its last check before sleeping
+        @property
+        def num_queue_entries(self) -> int:
+            if wrote.is_set() and box and box[0]._sleeping and box[0]._wake.locked():  # (no wake-up pending)
+                box.pop()._jobs.append(Job())
+            return tasks.num_queue_entries
+
+        def pop_many(self, n: int) -> list[int]:
+            return tasks.pop_many(n)
+
+    committer = Committer(Tasks(), lambda batch: wrote.set(), lambda *a: None, threaded=True)
+    box.append(committer)
+    tasks.enqueue_many([tasks.create()])
+    committer.notify(1)
+    assert ran.wait(5), "the committer slept with a job queued"
+    committer.stop(5.0)
