@@ -136,7 +136,7 @@ class OutputBuilder:
             # Each chunk is one copy of a contiguous span of the step's rows per key.
             self._wait_copy(record, in_place)
             bounds = output_chunks(sizes, record.row_bytes)
-            groups = [list(range(a, b)) for a, b in bounds]
+            groups = [range(a, b) for a, b in bounds]  # (ranges: no list of indices built per step)
             if record.owned and len(bounds) == 1:  # (the step's own copies, read once: no copy to make)
                 chunks = [sources]
             elif len(bounds) == 1:  # (the usual case: no view to make)
