@@ -13,8 +13,9 @@ A runner class lists the mixin as a base and calls (see the README, "Using it in
 4. ``pcache_save(hidden, mm, scheduler_output, req_ids, num_tokens_padded)`` after the forward
    (only steps that ran one) → a step id to carry with the step's state.
    ``pcache_fence()`` before every forward that has no ``pcache_begin_step`` (dummy runs), and
-   ``with pcache_warmup():`` around a warm-up that calls ``execute_model`` on hand-built
-   SchedulerOutputs (the V2 runner's).
+   ``with pcache_warmup():`` around the worker's ``compile_or_warm_up_model``, whose warm-ups
+   call ``execute_model`` on hand-built SchedulerOutputs (the V2 runner's, some models' on V1)
+   and which captures the CUDA graphs again at an elastic-EP rescale.
 5. ``pcache_materialize(step_id, req_ids)`` in the output builder (any thread, possibly a step
    late) → `StepOutputs`, or ``pcache_discard(step_id)`` when nothing downstream needs them.
    Each step id must be consumed exactly once, before its output can reach the scheduler
@@ -132,11 +133,13 @@ class PrefixCacheRunnerMixin:
     @contextlib.contextmanager
     def pcache_warmup(self) -> Iterator[None]:
         """Keeps the cache out of forwards run on hand-built SchedulerOutputs whose outputs nobody
-        consumes: the V2 runner's kernel warm-up (``Worker.compile_or_warm_up_model``, at start
-        and again at an elastic-EP rescale) calls ``execute_model`` with ``dummy_run=False``. Inside
-        it ``pcache_begin_step`` only fences (`pcache_fence`: the warm-up forward waits for the
-        last real save's copies) and neither builds the cache nor tracks the requests, and
-        ``pcache_save`` returns ``None`` (nothing to consume). Engine thread; nests.
+        consumes: the warm-ups in ``Worker.compile_or_warm_up_model`` (at start and again at an
+        elastic-EP rescale) call ``execute_model`` with ``dummy_run=False`` on the V2 runner (the
+        JIT kernel warm-up, FlashInfer's mixed-batch attention warm-up, some models' own), and
+        some models' on V1 too. Inside it ``pcache_begin_step`` only fences (`pcache_fence`: the
+        warm-up forward waits for the last real save's copies) and neither builds the cache nor
+        tracks the requests, and ``pcache_save`` returns ``None`` (nothing to consume). Engine
+        thread; nests.
 
         Entering it (the outermost) first flushes a running cache: the CUDA graphs that
         ``compile_or_warm_up_model`` captures again at a rescale are captured in CUDA's global
