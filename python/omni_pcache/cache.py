@@ -296,8 +296,11 @@ class PrefixCache:
         (`CacheConfig.inline_write_bytes`).
         ``hidden`` and ``mm`` must stay unchanged until the next `begin_step`, which
         fences the copy; the caller may overwrite them after it. Waits only for a free staging
-        page when ``staging_depth`` step ids are unconsumed, up to ``claim_timeout_s``. The
-        returned id must be consumed exactly once by `materialize` or `discard`.
+        page when ``staging_depth`` step ids are unconsumed, up to ``claim_timeout_s``, and, in
+        one rare case, for a small device→host copy of an earlier step's rows: when this step
+        takes slots whose rows a pending hit still needs and only a deferred key's device clone
+        holds them (`StepClaims.keep_aside`; never for this step's forward). The returned id
+        must be consumed exactly once by `materialize` or `discard`.
         """
         self._check_usable()
         shape = check_batch(batch, self._config)
