@@ -238,9 +238,21 @@ REFUSED = {
         },
         "disable_hybrid_kv_cache_manager",
     ),
-    "sliding-window-group": ({"spec": v.SlidingWindowSpec(block_size=16)}, "disable_hybrid_kv_cache_manager"),
+    "sliding-window-group": ({"spec": v.SlidingWindowSpec(block_size=16)}, "kv_cache_groups[0] is SlidingWindowSpec"),
     "mamba-group": ({"spec": v.MambaSpec(block_size=16)}, "kv_cache_groups[0] is MambaSpec"),
-    "kernel-block-size": ({"kernel_block_sizes": [8]}, "block_size"),
+    "kv-producer-bidirectional": (
+        {
+            "kv_transfer_config": v.KVTransferConfig(
+                "NixlPullConnector", "kv_producer", {"bidirectional_kv_xfer": True}
+            ),
+            "scheduler_config": v.SchedulerConfig(max_num_batched_tokens=512, async_scheduling=False),
+        },
+        "drop bidirectional_kv_xfer",
+    ),
+    "kv-offloading": (
+        {"cache_config": v.CacheConfig(block_size=16, kv_offloading_size=4.0)},
+        "unset cache_config.kv_offloading_size",
+    ),
     "decode-context-parallel": (
         {"parallel_config": v.ParallelConfig(decode_context_parallel_size=2)},
         "decode_context_parallel_size",
@@ -285,6 +297,57 @@ def test_gate_refuses_with_the_option_to_change(case: str) -> None:
         cache_config_from_vllm(**configs(**changes))
     assert option in str(info.value), str(info.value)
     assert "enable_prefix_caching=False" in str(info.value)
+
+
+HYBRID = "disable_hybrid_kv_cache_manager"
+
+
+@pytest.mark.parametrize(
+    ("specs", "hybrid_helps"),
+    [
+        ([v.FullAttentionSpec(block_size=16), v.SlidingWindowSpec(block_size=16)], True),
+        ([v.FullAttentionSpec(block_size=16), v.ChunkedLocalAttentionSpec(block_size=16)], True),
+        ([uniform_group(v.FullAttentionSpec(block_size=16), v.SlidingWindowSpec(block_size=16))], True),
+        ([v.SlidingWindowSpec(block_size=16)], False),  # (a model of sliding-window layers only)
+        ([v.ChunkedLocalAttentionSpec(block_size=16)], False),
+        ([v.MambaSpec(block_size=16)], False),
+        ([v.FullAttentionSpec(block_size=16), v.MambaSpec(block_size=16)], False),  # (the Mamba group stays)
+    ],
+    ids=["full+window", "full+chunked", "one-group-full+window", "window-only", "chunked-only", "mamba", "full+mamba"],
+)
+def test_a_group_refusal_advises_the_hybrid_manager_off_only_where_vllm_then_makes_one_full_group(
+    specs, hybrid_helps: bool
+) -> None:
+    # vLLM keeps sliding-window and chunked-local layers as full attention with the hybrid
+    # manager off only when full-attention layers are there too; nothing else changes a group.
+    groups = [v.KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)]
+    with pytest.raises(ConfigError, match="cannot serve") as info:
+        cache_config_from_vllm(**configs(kv_cache_config=v.KVCacheConfig(1000, [], groups)))
+    assert (HYBRID in str(info.value)) == hybrid_helps, str(info.value)
+    assert "enable_prefix_caching=False" in str(info.value)
+
+
+def test_kernel_block_sizes_do_not_change_the_cache() -> None:
+    # A backend's kernel blocks split each KV block in its own block table only: the cache
+    # addresses rows by the scheduler's blocks (earlier versions refused a smaller kernel block).
+    want = cache_config_from_vllm(**configs())
+    assert cache_config_from_vllm(**configs(), kernel_block_sizes=[8]) == want
+    assert cache_config_from_vllm(**configs(), kernel_block_sizes=[16, 4]) == want
+
+
+def test_non_causal_layers_need_no_cache() -> None:
+    # vLLM's engine core turns prefix caching off for them in its own process; a multiprocess
+    # worker still reads it as on, and would otherwise copy every row for hits that never come.
+    spec = v.FullAttentionSpec(block_size=16, non_causal=True)
+    assert cache_config_from_vllm(**configs(spec=spec)) is None
+    assert cache_config_from_vllm(**configs(spec=uniform_group(v.FullAttentionSpec(block_size=16), spec))) is None
+
+
+def test_both_names_of_nixls_pull_connector_are_accepted_as_a_producer() -> None:
+    sync = v.SchedulerConfig(max_num_batched_tokens=512, async_scheduling=False)
+    for name in ("NixlConnector", "NixlPullConnector"):
+        producer = v.KVTransferConfig(name, "kv_producer", {"bidirectional_kv_xfer": False})
+        assert cache_config_from_vllm(**configs(kv_transfer_config=producer, scheduler_config=sync)) is not None
 
 
 def test_a_consumer_role_without_a_connector_is_not_a_consumer() -> None:
@@ -398,6 +461,30 @@ def test_tracker_refuses_block_copies_and_changes_nothing() -> None:
         t.update(so)
     assert list(t) == ["a"] and t.blocks("a") == [1]
     t.update(so_of(kv_cache_block_copies=[]))  # empty list: nothing to mirror
+
+
+def nixl_metadata(**blocks_by_req: tuple[list[int], ...]) -> SimpleNamespace:
+    """A stand-in NIXL connector metadata whose ``reqs_to_recv`` pulls into these local blocks."""
+    return SimpleNamespace(reqs_to_recv={r: SimpleNamespace(local_block_ids=b) for r, b in blocks_by_req.items()})
+
+
+def test_tracker_refuses_kv_a_connector_loads_and_changes_nothing() -> None:
+    # A NIXL producer pulls KV for a request whose kv_transfer_params ask for a remote prefill
+    # (routed to the wrong node): vLLM counts it as computed, and the cache holds those blocks'
+    # earlier rows. Refused at the step that starts the load, before anything is registered.
+    t = BlockTracker()
+    t.update(so_of(new=[new_req("a", [1])], counts={"a": 4}))
+    so = so_of(finished={"a"}, kv_connector_metadata=nixl_metadata(b=([5, 6],), c=([],)))
+    with pytest.raises(ConfigError, match=r"reqs_to_recv: 'b' \(2 blocks\).*do_remote_decode") as info:
+        t.update(so)
+    assert "'c'" not in str(info.value) and "enable_prefix_caching=False" in str(info.value)
+    assert list(t) == ["a"] and t.blocks("a") == [1]
+    # An entry without local blocks only tells the remote to free its own: nothing is loaded.
+    t.update(so_of(finished={"a"}, kv_connector_metadata=nixl_metadata(c=([], []))))
+    assert list(t) == []
+    many = nixl_metadata(**{f"r{i}": ([i],) for i in range(6)})
+    with pytest.raises(ConfigError, match=r"'r3' \(1 block\) and 2 more\)"):
+        t.update(so_of(kv_connector_metadata=many))
 
 
 def test_tracker_refuses_draft_tokens_and_changes_nothing() -> None:
@@ -919,10 +1006,9 @@ def test_an_aborted_request_resubmitted_with_its_id_gets_its_full_sequence_again
         # (a vLLM without KVTransferConfig.is_kv_consumer: the role alone decides)
         ({"kv_transfer_config": SimpleNamespace(kv_role="kv_both")}, "kv_role='kv_both'"),
         ({"kv_cache_config": v.KVCacheConfig(1000, [], [])}, "0 KV-cache groups"),  # (was a raw IndexError)
-        ({"kernel_block_sizes": [32]}, "kernel block size 32 != KV block size 16"),
         ({"cache_config": v.CacheConfig(block_size=16, prefix_match_unit=24)}, "prefix_match_unit=24"),
     ],
-    ids=["kv-both-role", "no-kv-group", "larger-kernel-block", "unit-not-whole-blocks"],
+    ids=["kv-both-role", "no-kv-group", "unit-not-whole-blocks"],
 )
 def test_gate_refuses_what_it_cannot_mirror(changes, message) -> None:
     with pytest.raises(ConfigError, match=message):

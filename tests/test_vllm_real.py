@@ -169,9 +169,17 @@ def test_gate_with_real_configs() -> None:
     assert (
         cache_config_from_vllm(**configs(cache_config=CacheConfig(block_size=16, enable_prefix_caching=False))) is None
     )
-    producer = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_producer")
     sync = REAL.SchedulerConfig(max_num_batched_tokens=512, async_scheduling=False)
-    assert cache_config_from_vllm(**configs(kv_transfer_config=producer, scheduler_config=sync)) is not None
+    for name in ("NixlConnector", "NixlPullConnector"):  # (one class: vLLM's alias)
+        producer = KVTransferConfig(kv_connector=name, kv_role="kv_producer")
+        assert cache_config_from_vllm(**configs(kv_transfer_config=producer, scheduler_config=sync)) is not None
+    # Kernel blocks split each KV block in the backend's own block table only.
+    assert cache_config_from_vllm(**configs(), kernel_block_sizes=[8]) == cache_config_from_vllm(**configs())
+    # Non-causal layers: vLLM's engine core turns prefix caching off (multiprocess workers still read it on).
+    non_causal = KVCacheConfig(
+        num_blocks=10, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec(non_causal=True))]
+    )
+    assert cache_config_from_vllm(**configs(kv_cache_config=non_causal)) is None
 
 
 def transfer(connector: str, role: str):
@@ -221,7 +229,21 @@ REFUSED = {
         lambda: {"cache_config": CacheConfig(block_size=16, prefix_match_unit=4)},
         "prefix_match_unit",
     ),
-    "kernel-block-size": (lambda: {"kernel_block_sizes": [8]}, "block_size"),
+    "kv-producer-bidirectional": (
+        lambda: {
+            "kv_transfer_config": KVTransferConfig(
+                kv_connector="NixlConnector",
+                kv_role="kv_producer",
+                kv_connector_extra_config={"bidirectional_kv_xfer": True},
+            ),
+            "scheduler_config": REAL.SchedulerConfig(max_num_batched_tokens=512, async_scheduling=False),
+        },
+        "bidirectional_kv_xfer",
+    ),
+    "kv-offloading": (
+        lambda: {"cache_config": CacheConfig(block_size=16, enable_prefix_caching=True, kv_offloading_size=2.0)},
+        "cache_config.kv_offloading_size",
+    ),
     "kv-sharing-fast-prefill": (
         lambda: {"cache_config": CacheConfig(block_size=16, kv_sharing_fast_prefill=True)},
         "kv_sharing_fast_prefill=False",

@@ -92,6 +92,7 @@ class AttentionSpec(KVCacheSpec):
 class FullAttentionSpec(AttentionSpec):
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
+    non_causal: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +103,11 @@ class MLAAttentionSpec(FullAttentionSpec):
 @dataclass(frozen=True, kw_only=True)
 class SlidingWindowSpec(AttentionSpec):
     sliding_window: int = 128
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkedLocalAttentionSpec(AttentionSpec):
+    attention_chunk_size: int = 128
 
 
 @dataclass(frozen=True)
@@ -139,12 +145,14 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     prefix_match_unit: int | None = None
     kv_sharing_fast_prefill: bool = False
+    kv_offloading_size: float | None = None
 
 
 @dataclass
 class KVTransferConfig:
     kv_connector: str | None = None
     kv_role: str | None = None
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_kv_consumer(self) -> bool:  # as vLLM's: a connector is set and the role consumes

@@ -34,6 +34,17 @@ REFUSALS: dict[str, str] = {
         "rows of those tokens were never saved here, so their hits would serve another tenant's rows; only "
         "connectors known to load nothing in the kv_producer role are accepted"
     ),
+    "kv_bidirectional": (
+        "with bidirectional transfer (kv_connector_extra_config bidirectional_kv_xfer) the decode node sends KV "
+        "back, and this prefill node loads it into its own blocks and counts it in num_computed_tokens; the rows "
+        "of those tokens were never saved here, so their hits would serve another tenant's rows"
+    ),
+    "kv_load": (
+        "the KV connector is loading KV computed elsewhere into this instance's blocks (a request whose "
+        "kv_transfer_params ask for a remote prefill, sent to a prefill node), and vLLM counts it in the "
+        "request's num_computed_tokens; the rows of those tokens were never saved here, so its hits would serve "
+        "another tenant's rows"
+    ),
     "kv_delivery": (
         "a KV-producer connector makes vLLM drop the output of a step still in flight when its request is "
         "preempted (drop_stale_output), which happens when more than one step is in flight (async scheduling, or "
@@ -56,11 +67,6 @@ REFUSALS: dict[str, str] = {
     "kv_groups": (
         "the cache mirrors one full-attention block table; with several KV-cache groups (hybrid models) or "
         "sliding-window/Mamba groups, blocks are dropped or reused while a prefix still hits"
-    ),
-    "kernel_block_size": (
-        "the attention backend splits each KV block into kernel blocks, so the engine's slot ids are in "
-        "kernel-block units while the cache addresses rows by the scheduler's blocks; that mapping is not "
-        "verified, so it is refused rather than risked"
     ),
     "decode_context_parallel": (
         "decode context parallelism shards each block's tokens across ranks; no single rank holds a "
@@ -91,6 +97,74 @@ def _spec_kind(spec: Any) -> str:
     return type(spec).__name__
 
 
+def _layer_specs(spec: Any) -> list[Any]:
+    """The per-layer specs of a ``UniformTypeKVCacheSpecs``, else ``[spec]``."""
+    layer_specs = getattr(spec, "kv_cache_specs", None)
+    if isinstance(layer_specs, dict) and layer_specs:
+        return list(layer_specs.values())
+    return [spec]
+
+
+def _group_change(specs: list[Any]) -> str:
+    """What a refused set of KV-cache groups can change: turning the hybrid manager off helps
+    only where full-attention layers sit beside sliding-window or chunked-local ones (vLLM then
+    keeps the local layers as full attention); any other kind of layer stays as it is."""
+    layers = [layer for spec in specs for layer in _layer_specs(spec)]
+    full = [layer for layer in layers if _spec_kind(layer) == "full"]
+    local = [layer for layer in layers if {c.__name__ for c in type(layer).__mro__} & LOCAL_ATTENTION_SPECS]
+    if full and local and len(full) + len(local) == len(layers):
+        return (
+            "scheduler_config.disable_hybrid_kv_cache_manager=True (--disable-hybrid-kv-cache-manager) so the "
+            "sliding-window and chunked-local layers are kept as full attention in one group, or "
+            "enable_prefix_caching=False"
+        )
+    return "enable_prefix_caching=False for this stage (no vLLM option makes these layers one full-attention group)"
+
+
+def _is_non_causal(kv_cache_config: Any) -> bool:
+    """Whether a layer attends non-causally (``non_causal=True`` on its spec): vLLM's engine core
+    then turns prefix caching off in its own process, while multiprocess workers, started
+    before, still read it as on."""
+    for group in getattr(kv_cache_config, "kv_cache_groups", ()):
+        spec = group.kv_cache_spec
+        if any(getattr(layer, "non_causal", False) is True for layer in [spec, *_layer_specs(spec)]):
+            return True
+    return False
+
+
+def kv_loads(scheduler_output: Any) -> dict[str, int]:
+    """Requests whose KV the step's connector metadata loads into this instance's blocks, with
+    how many blocks: a NIXL connector's ``reqs_to_recv`` entries with local blocks (an entry
+    without any only tells the remote to free its blocks). Read by attribute; ``{}`` without a
+    connector."""
+    metadata = getattr(scheduler_output, "kv_connector_metadata", None)
+    receiving = getattr(metadata, "reqs_to_recv", None)
+    if not isinstance(receiving, dict):
+        return {}
+    loads = {}
+    for req_id, meta in receiving.items():
+        blocks = sum(len(group) for group in getattr(meta, "local_block_ids", None) or ())
+        if blocks:
+            loads[req_id] = blocks
+    return loads
+
+
+def refuse_kv_loads(scheduler_output: Any) -> None:
+    """Raises `ConfigError` when the step's KV connector loads KV into this instance's blocks
+    (`kv_loads`), before anything of the step is registered: the cache would otherwise serve
+    those blocks' earlier rows as the loaded tokens' outputs."""
+    loads = kv_loads(scheduler_output)
+    if loads:
+        shown = ", ".join(f"{req!r} ({n} block{'s' * (n != 1)})" for req, n in sorted(loads.items())[:4])
+        more = f" and {len(loads) - 4} more" if len(loads) > 4 else ""
+        raise _refuse(
+            f"KV loaded by the KV connector (kv_connector_metadata.reqs_to_recv: {shown}{more})",
+            "route only requests that compute their prompt here (do_remote_decode) to this kv_producer instance, "
+            "or enable_prefix_caching=False",
+            "kv_load",
+        )
+
+
 def _spec_block_sizes(spec: Any) -> set[int]:
     layer_specs = getattr(spec, "kv_cache_specs", None)
     if isinstance(layer_specs, dict) and layer_specs:
@@ -107,9 +181,20 @@ def _is_kv_consumer(kv_transfer_config: Any) -> bool:
     return getattr(kv_transfer_config, "kv_role", None) in ("kv_consumer", "kv_both")
 
 
-PRODUCER_ONLY_CONNECTORS = frozenset({"NixlConnector", "MooncakeConnector"})
-"""KV connectors that, in the ``kv_producer`` role, only send this instance's KV (a P/D prefill
-node) and load nothing into it; any other connector is refused (``REFUSALS["kv_connector"]``)."""
+NIXL_PULL_CONNECTORS = frozenset({"NixlConnector", "NixlPullConnector"})
+"""vLLM's pull-based NIXL connector, under both of its names (``NixlConnector`` is an alias)."""
+
+PRODUCER_ONLY_CONNECTORS = NIXL_PULL_CONNECTORS | {"MooncakeConnector"}
+"""KV connectors that, in the ``kv_producer`` role (a P/D prefill node), send this instance's KV
+and load none into it unless a request asks them to; any other connector is refused
+(``REFUSALS["kv_connector"]``). Mooncake's asserts when asked to load in that role; NIXL's pulls
+for a request whose ``kv_transfer_params`` ask for a remote prefill (a request routed to the
+wrong node), which `kv_loads` finds in the step's connector metadata, and with bidirectional
+transfer, which is refused (``REFUSALS["kv_bidirectional"]``)."""
+
+LOCAL_ATTENTION_SPECS = frozenset({"SlidingWindowSpec", "ChunkedLocalAttentionSpec"})
+"""KV-cache specs (and their subclasses) that vLLM turns into full attention when the hybrid
+manager is off, provided the model has full-attention layers too."""
 
 
 def steps_in_flight(scheduler_config: Any, parallel_config: Any) -> int:
@@ -146,8 +231,11 @@ def cache_config_from_vllm(
     Arguments are vLLM's ``CacheConfig``, ``KVCacheConfig`` (``num_blocks``,
     ``kv_cache_groups[*].kv_cache_spec``), ``KVTransferConfig`` or None, ``SchedulerConfig``,
     ``ModelConfig`` (``runner_type``; may be None), ``SpeculativeConfig`` or None,
-    ``ParallelConfig``, and whether the stage pools. ``kernel_block_sizes`` is the runner's
-    per-group kernel block sizes when it has them (V1: ``self._kernel_block_sizes``).
+    ``ParallelConfig``, and whether the stage pools. ``kernel_block_sizes`` (the runner's, as
+    earlier versions asked for) is accepted and not needed: an attention backend that splits
+    each KV block into kernel blocks changes only its own block table, while the cache
+    addresses rows by the scheduler's blocks, whose slot numbers kernel blocks share
+    (kernel block ``b * k + j`` of size ``B / k`` starts at slot ``b * B + j * B / k``).
     ``cache_options`` are passed on to `CacheConfig` (``staging_depth``, ``claim_timeout_s``...;
     ``staging_capacity_tokens`` may raise the scheduler's step size, never lower it; the block
     geometry is vLLM's).
@@ -156,6 +244,16 @@ def cache_config_from_vllm(
         return None
     if is_pooling or getattr(model_config, "runner_type", None) == "pooling":
         return None
+    if _is_non_causal(kv_cache_config):  # (vLLM's scheduler never hits: every token is computed)
+        return None
+
+    offloading = getattr(cache_config, "kv_offloading_size", None)
+    if offloading is not None:  # (vLLM makes it an offloading connector in the kv_both role)
+        raise _refuse(
+            f"KV offloading (cache_config.kv_offloading_size={offloading!r}, which adds an offloading KV connector)",
+            "unset cache_config.kv_offloading_size (no --kv-offloading-size), or enable_prefix_caching=False",
+            "kv_connector",
+        )
 
     if _is_kv_consumer(kv_transfer_config):
         role = getattr(kv_transfer_config, "kv_role", None)
@@ -172,6 +270,14 @@ def cache_config_from_vllm(
                 f"no KV connector, or one of {sorted(PRODUCER_ONLY_CONNECTORS)} as kv_producer, or "
                 "enable_prefix_caching=False",
                 "kv_connector",
+            )
+        extra = getattr(kv_transfer_config, "kv_connector_extra_config", None)
+        if connector in NIXL_PULL_CONNECTORS and isinstance(extra, dict) and extra.get("bidirectional_kv_xfer"):
+            raise _refuse(
+                f"KV connector {connector!r} with bidirectional transfer (kv_connector_extra_config "
+                f"bidirectional_kv_xfer={extra['bidirectional_kv_xfer']!r})",
+                "drop bidirectional_kv_xfer from kv_connector_extra_config, or enable_prefix_caching=False",
+                "kv_bidirectional",
             )
         async_scheduling = getattr(scheduler_config, "async_scheduling", None)
         pp = int(getattr(parallel_config, "pipeline_parallel_size", 1) or 1)
@@ -209,8 +315,7 @@ def cache_config_from_vllm(
         kinds = [_spec_kind(g.kv_cache_spec) for g in groups]
         raise _refuse(
             f"{len(groups)} KV-cache groups (kv_cache_config.kv_cache_groups: {kinds})",
-            "scheduler_config.disable_hybrid_kv_cache_manager=True (--disable-hybrid-kv-cache-manager) "
-            "so every layer shares one full-attention group, or enable_prefix_caching=False",
+            _group_change([g.kv_cache_spec for g in groups]),
             "kv_groups",
         )
     spec = groups[0].kv_cache_spec
@@ -218,8 +323,7 @@ def cache_config_from_vllm(
     if kind != "full":
         raise _refuse(
             f"a KV-cache group that is not full attention (kv_cache_config.kv_cache_groups[0] is {kind})",
-            "scheduler_config.disable_hybrid_kv_cache_manager=True (--disable-hybrid-kv-cache-manager) "
-            "so sliding-window layers are kept as full attention, or enable_prefix_caching=False",
+            _group_change([spec]),
             "kv_groups",
         )
 
@@ -242,14 +346,6 @@ def cache_config_from_vllm(
             "kv_groups",
         )
     block_size = sizes.pop()
-    for kernel in kernel_block_sizes or ():
-        if int(kernel) != block_size:
-            raise _refuse(
-                f"kernel block size {int(kernel)} != KV block size {block_size} (the runner's kernel_block_sizes)",
-                f"cache_config.block_size (--block-size) {int(kernel)}, a size the attention backend takes "
-                "natively, or enable_prefix_caching=False",
-                "kernel_block_size",
-            )
 
     # Sub-block prefix matching: hashes (and so hits) finer than a block.
     for owner, obj in (("cache_config", cache_config), ("kv_cache_config", kv_cache_config)):

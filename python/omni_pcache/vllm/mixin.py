@@ -86,7 +86,8 @@ class PrefixCacheRunnerMixin:
     ) -> bool:
         """Gates the configuration at KV-cache init (every rank). Returns whether this stage
         has a cache; raises `ConfigError` for a refused configuration. A second call (KV cache
-        re-initialized) closes the previous cache first."""
+        re-initialized) closes the previous cache first. ``kernel_block_sizes`` is accepted
+        for runners written for earlier versions and not needed (`cache_config_from_vllm`)."""
         self.pcache_shutdown()
         config = cache_config_from_vllm(
             cache_config=cache_config,

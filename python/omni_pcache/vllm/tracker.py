@@ -43,10 +43,12 @@ samples nothing whose output was built before the preempting output reached the 
 at once), or dropped by a reset whose output admits no waiting request.
 
 A ``SchedulerOutput`` carrying ``kv_cache_block_copies`` is refused with `ConfigError` (the
-scheduler copies a block's KV for a sub-block hit; the cache does not mirror those copies), and
-one naming a running request the tracker does not hold raises `InvalidInputError`; both before
-anything changes. `update` returns an undo: the mixin calls it when the cache refuses the
-step's events, so a refused step leaves the tracker as it was. Engine thread only.
+scheduler copies a block's KV for a sub-block hit; the cache does not mirror those copies), as
+is one whose KV connector loads KV computed elsewhere into this instance's blocks
+(`gate.refuse_kv_loads`: their rows were never saved here), and one naming a running request the
+tracker does not hold raises `InvalidInputError`; all before anything changes. `update` returns
+an undo: the mixin calls it when the cache refuses the step's events, so a refused step leaves
+the tracker as it was. Engine thread only.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from typing import Any
 
 from omni_pcache.errors import ConfigError, InvalidInputError
 from omni_pcache.validation import as_int
+from omni_pcache.vllm.gate import refuse_kv_loads
 
 _SCHEDULER_OUTPUT_FIELDS = ("scheduled_new_reqs", "scheduled_cached_reqs", "finished_req_ids")
 """What `BlockTracker.update` reads of every SchedulerOutput (the rest only where present)."""
@@ -203,6 +206,7 @@ class BlockTracker:
                 "the scheduler matched a prefix inside a block. The cache mirrors whole blocks only; unset "
                 "cache_config.prefix_match_unit (sub-block prefix matching) or set enable_prefix_caching=False"
             )
+        refuse_kv_loads(so)
         drafts = getattr(so, "scheduled_spec_decode_tokens", None)
         if drafts:  # (a config the gate refuses; this catches what it cannot see, e.g. a diffusion canvas)
             raise ConfigError(
