@@ -482,6 +482,8 @@ def test_tracker_refuses_kv_a_connector_loads_and_changes_nothing() -> None:
     # An entry without local blocks only tells the remote to free its own: nothing is loaded.
     t.update(so_of(finished={"a"}, kv_connector_metadata=nixl_metadata(c=([], []))))
     assert list(t) == []
+    with pytest.raises(ConfigError, match=r"'flat' \(2 blocks\)"):  # (block ids not grouped: counted too)
+        t.update(so_of(kv_connector_metadata=nixl_metadata(flat=[7, 8])))
     many = nixl_metadata(**{f"r{i}": ([i],) for i in range(6)})
     with pytest.raises(ConfigError, match=r"'r3' \(1 block\) and 2 more\)"):
         t.update(so_of(kv_connector_metadata=many))

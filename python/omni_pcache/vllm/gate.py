@@ -143,7 +143,8 @@ def kv_loads(scheduler_output: Any) -> dict[str, int]:
         return {}
     loads = {}
     for req_id, meta in receiving.items():
-        blocks = sum(len(group) for group in getattr(meta, "local_block_ids", None) or ())
+        groups = getattr(meta, "local_block_ids", None) or ()  # (vLLM's BlockIds: one list per KV-cache group)
+        blocks = sum(len(group) if isinstance(group, list | tuple) else 1 for group in groups)
         if blocks:
             loads[req_id] = blocks
     return loads
