@@ -190,7 +190,8 @@ class PrefixCache:
         call racing another returns once that one has closed the cache.
         Deferred rows of live requests are not queued (they would be at their requests' finish,
         which the cache will not see now): their device clones are released and their write
-        tasks failed and forgotten, so the device budget and ``tasks_live`` are back to zero.
+        tasks failed and forgotten, so the device budget and ``tasks_live`` are back to zero
+        (but for the task of a write failure: failed tasks stay counted).
         Steps not consumed yet cannot be after it; their staging pages are released."""
         with self._close_lock:  # (a second caller returns once the first has closed the cache)
             if self._closed:

@@ -30,7 +30,8 @@ class TaskStateError(PrefixCacheError):
 
 
 class StepIdError(PrefixCacheError):
-    """A step id consumed twice, never issued, or not holding the requested request."""
+    """A step id consumed twice, or never issued (a request the step does not hold is an
+    `InvalidInputError`, and leaves the id unconsumed)."""
 
     step_id: int
     outstanding: list[int]

@@ -45,7 +45,7 @@ class StepEvents:
     flight, and so does a preemption while a reset's or a stopped streaming turn's outputs
     are outstanding): every row those steps returned for it, prefix-hit rows included, is delivered
     again, on the same conditions (no more than it had, at most ``_native.MAX_DROPPED_SAVES`` = 16; a
-    request not saved since it entered has nothing to undo, and any count from 1 is a no-op)."""
+    request not saved since it entered has nothing to undo, and any count from 1 to 16 is a no-op)."""
 
     new: Sequence[NewRequest] = ()
     resumed: Sequence[ResumedRequest] = ()

@@ -121,14 +121,18 @@ impl Deliveries {
             .live
             .get(req_id)
             .map_or(0, |state| state.before_saves.len());
-        if count == 0 || count > MAX_DROPPED_SAVES || (saves > 0 && count > saves) {
-            return Err(Error::InvalidInput {
-                what: format!(
-                    "request {req_id:?}: {count} dropped saves; it has {saves} (1 to {MAX_DROPPED_SAVES} of its latest are kept)"
-                ),
-            });
-        }
-        Ok(())
+        let why = if count == 0 {
+            "a count is 1 or more".to_string()
+        } else if count > MAX_DROPPED_SAVES {
+            format!("at most {MAX_DROPPED_SAVES} (the latest saves of a request that are kept)")
+        } else if saves > 0 && count > saves {
+            format!("it has {saves}")
+        } else {
+            return Ok(());
+        };
+        Err(Error::InvalidInput {
+            what: format!("request {req_id:?}: {count} dropped saves; {why}"),
+        })
     }
 
     /// The consumer of live request `req_id` never got the rows of its last `count` saves (the

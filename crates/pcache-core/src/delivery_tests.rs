@@ -98,9 +98,20 @@ fn more_dropped_saves_than_a_request_had_or_kept_are_refused_changing_nothing() 
     let mut d = Deliveries::new(4).unwrap();
     d.take_step([("a", 0, 2)]).unwrap();
     d.take_step([("a", 0, 1)]).unwrap();
-    for count in [0, 3, MAX_DROPPED_SAVES + 1] {
+    for (count, why) in [
+        (0, "a count is 1 or more".to_string()),
+        (3, "it has 2".to_string()),
+        (
+            MAX_DROPPED_SAVES + 1,
+            format!("at most {MAX_DROPPED_SAVES}"),
+        ),
+    ] {
         let err = d.undeliver_saves("a", count).unwrap_err();
-        assert!(err.to_string().contains("dropped saves; it has 2"), "{err}");
+        assert!(
+            err.to_string()
+                .contains(&format!("{count} dropped saves; {why}")),
+            "{err}"
+        );
     }
     let (rows, _) = d.take_step([("a", 0, 1)]).unwrap();
     assert_eq!(rows[0].drop, 0, "nothing was rewound: position 3 is new");
