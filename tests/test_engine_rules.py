@@ -30,6 +30,18 @@ def test_freed_blocks_stay_cached_until_reused_lru_and_tail_first() -> None:
     assert pool.cached_block(100) == blocks[0]
 
 
+def test_freed_blocks_without_a_hash_are_reused_first_in_the_order_freed() -> None:
+    # vLLM's free_blocks: non-cached blocks are prepended (LIFO, reused by the very next
+    # allocation), cached ones appended (LRU); both groups in the order freed, tail first.
+    pool = BlockPool(8)
+    blocks = pool.allocate(4)  # 0..3; the free queue holds 4..7
+    pool.cache_block(blocks[0], 100)
+    pool.cache_block(blocks[1], 101)
+    pool.free(blocks)  # tail first: 3 and 2 (no hash) to the head, then 1 and 0 (cached) to the tail
+    assert pool.allocate(8) == [blocks[3], blocks[2], 4, 5, 6, 7, blocks[1], blocks[0]]
+    assert pool.num_evictions == 2
+
+
 def test_longest_prefix_match_never_covers_the_last_token() -> None:
     kv = KVCacheManager(16, BS, enable_prefix_caching=True)
     a = req("a", list(range(12)))

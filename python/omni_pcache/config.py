@@ -54,7 +54,7 @@ class CacheConfig:
     on a GPU and leaves the host's cores idle, a loss where a CPU forward needs them (measured
     on the embedded engine). ``None`` (the default) turns it on once the first save with
     cached rows brings them on a CUDA device, and leaves it off for CPU rows; ``True`` or
-    ``False`` decide for every step. Needs ``threaded``.
+    ``False`` decide for every step. Without ``threaded`` no thread runs it: nothing is prefetched.
     """
 
     num_blocks: int

@@ -1,8 +1,11 @@
 """A KV block pool with vLLM's prefix-caching rules.
 
-Full blocks are identified by their chained block hash. A block whose last user frees it
-stays cached: it goes to the tail of an LRU free queue and can still be hit until the pool
-hands it out again, which evicts its hash (the block gets a new tenant). Several blocks may
+Full blocks are identified by their chained block hash. A cached block whose last user frees
+it stays cached: it goes to the tail of an LRU free queue and can still be hit until the pool
+hands it out again, which evicts its hash (the block gets a new tenant). A freed block without
+a hash (a request's partial last block, or one never published) goes to the head of the queue
+and is handed out first, as vLLM reuses non-cached blocks (LIFO): often in the very next
+allocation, while the step that wrote it may not be consumed yet. Several blocks may
 hold one hash (two requests computed the same block: the last prompt token is always
 recomputed, so identical block-aligned prompts each write their own last block); as in vLLM,
 a hit finds the first still cached, and evicting one keeps the others. Requests free their
@@ -65,11 +68,20 @@ class BlockPool:
         return out
 
     def free(self, blocks: list[int]) -> None:
-        """Drops one reference on each block, tail first; unreferenced blocks stay cached."""
+        """Drops one reference on each block, tail first: unreferenced cached blocks go to the
+        tail of the free queue (still hittable), unreferenced blocks without a hash to its head
+        (reused first), in the order freed."""
+        reuse_first = []
         for b in reversed(blocks):
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                self._free[b] = None
+                if b in self._hash_of:
+                    self._free[b] = None
+                else:
+                    reuse_first.append(b)
+        for b in reversed(reuse_first):  # (the first freed ends up at the head)
+            self._free[b] = None
+            self._free.move_to_end(b, last=False)
 
     def cache_block(self, block: int, block_hash: int) -> None:
         """Publishes a full block under its hash (beside any other block holding it)."""
