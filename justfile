@@ -43,8 +43,9 @@ demo *ARGS: setup develop
     omni-pcache demo "$@"
 
 # The differential harness over many seeds (>= 100); prints how many requests and rows it checked.
+# (One test of any length: the suite's 300 s per-test timeout is off for it.)
 soak SEEDS="120": setup develop
-    OMNI_PCACHE_SOAK_SEEDS={{SEEDS}} python -m pytest -q -s tests/test_engine_differential.py -k soak
+    OMNI_PCACHE_SOAK_SEEDS={{SEEDS}} python -m pytest -q -s --timeout 0 tests/test_engine_differential.py -k soak
 
 # ~1.5 h on 2 cores for the core's ~940 mutants, report in mutants.out/ (a change's own:
 # `cargo mutants -p pcache-core --in-diff FILE`, minutes). Survivors in code that only the
@@ -114,10 +115,11 @@ test-python PYTHON *EXTRA: setup
     bash scripts/test-python.sh "$@"
 
 # The real-scheduler harness over many seeds (two runs each: every axis at once, and sessions
-# under pipelines with preemption): just soak-vllm 3000 [FIRST seed] (~1.5 min per 1,000).
+# under pipelines with preemption): just soak-vllm 3000 [FIRST seed] (~1.5 min per 1,000; one
+# test of any length: the suite's 300 s per-test timeout is off for it).
 soak-vllm SEEDS="2000" FIRST="0": setup develop
     bash scripts/setup-vllm.sh
-    VLLM_TARGET_DEVICE=cpu OMNI_PCACHE_REQUIRE_VLLM=1 OMNI_PCACHE_VLLM_SOAK_SEEDS={{SEEDS}} OMNI_PCACHE_VLLM_SOAK_FIRST={{FIRST}} .venv-vllm/bin/python -m pytest -q -s tests/test_vllm_scheduler.py -k test_soak
+    VLLM_TARGET_DEVICE=cpu OMNI_PCACHE_REQUIRE_VLLM=1 OMNI_PCACHE_VLLM_SOAK_SEEDS={{SEEDS}} OMNI_PCACHE_VLLM_SOAK_FIRST={{FIRST}} .venv-vllm/bin/python -m pytest -q -s --timeout 0 tests/test_vllm_scheduler.py -k test_soak
 
 # The vLLM adapter against vLLM 0.33's real types and its real scheduler, in a separate cached env (.venv-vllm: ~340 MB download once).
 test-vllm: setup develop

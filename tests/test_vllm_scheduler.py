@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import warnings
 
 import pytest
@@ -559,3 +560,5 @@ def test_soak() -> None:
                 raise AssertionError(f"soak {case.__name__}({seed}): {exc}") from None
     print(f"\nsoak: seeds {SOAK_FIRST}..{SOAK_FIRST + SOAK_SEEDS}: {checked} requests checked, 0 mismatches; ", end="")
     print(f"{len(stalled)} runs stalled in vLLM (blocks held by waiting sessions): {stalled[:12]}")
+    left = [t.name for t in threading.enumerate() if t.name in ("output-builder", "omni-pcache-committer")]
+    assert not left, f"threads left running after the soak's runs (stalled ones included): {left}"
