@@ -334,6 +334,18 @@ def test_leftover_is_a_snapshot_sliced_or_passed_whole() -> None:
         assert torch.equal(out.mm["per_tok"]["b"], torch.tensor([20.0, 30.0, 40.0]))
 
 
+def test_a_leftover_passed_whole_is_one_snapshot_shared_by_the_steps_requests() -> None:
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0]), NewRequest("b", [1])]))
+        ref, meta = torch.arange(10.0), {"lang": "en"}
+        sid = cache.save(torch.zeros(5, 2), {"ref": ref, "meta": meta}, StepBatch(["a", "b"], [2, 3], np.arange(5)))
+        out = cache.materialize(sid, ["a", "b"])
+        snap = out.mm["ref"]["a"]
+        assert snap is out.mm["ref"]["b"], "one snapshot for every request of the step"
+        assert snap.data_ptr() != ref.data_ptr() and torch.equal(snap, torch.arange(10.0))
+        assert out.mm["meta"]["a"] is out.mm["meta"]["b"] and out.mm["meta"]["a"] == meta
+
+
 def test_padded_step_caches_only_the_scheduled_rows() -> None:
     with small_cache() as cache:
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))

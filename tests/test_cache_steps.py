@@ -85,6 +85,19 @@ def test_full_staging_waits_then_raises_listing_unconsumed_ids() -> None:
         cache.discard(third)
 
 
+def test_a_staging_timeout_names_each_pages_holders_in_its_holders_attribute() -> None:
+    # StagingTimeoutError.holders lists who holds each page (errors.py), not only its message.
+    with small_cache(staging_depth=2, claim_timeout_s=0.1, inline_write_bytes=0) as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1, 2])]))
+        ids = [save_one(cache, first_slot=0), save_one(cache, first_slot=2)]
+        cache.flush()  # (the write tasks' holds on the pages are gone: only the steps hold them)
+        with pytest.raises(StagingTimeoutError) as err:
+            save_one(cache, first_slot=4)
+        assert [sorted(page) for page in err.value.holders] == [[("step", ids[0])], [("step", ids[1])]]
+        for sid in ids:
+            cache.discard(sid)
+
+
 def test_waiting_save_succeeds_when_a_page_frees_in_time() -> None:
     with small_cache(staging_depth=1, claim_timeout_s=10.0) as cache:
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
@@ -623,6 +636,39 @@ def test_stats_count_live_requests_and_pending_hit_reads_back_to_zero() -> None:
         assert cache.stats().reads_pending == 0
         cache.begin_step(StepEvents(finished=["a", "c"]))
         assert cache.stats().requests_live == 0
+
+
+def test_a_request_no_begin_step_registered_is_taken_as_new_without_a_hit() -> None:
+    # README (save): from position 0, counted as neither hit nor miss; it stays live (its next
+    # step returns only that step's rows) until reported finished.
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        cache.discard(cache.save(torch.ones(2, 2), {}, StepBatch(["a"], [2], np.arange(2))))
+        cache.begin_step(StepEvents())
+        first = torch.arange(4.0).reshape(2, 2)
+        sid = cache.save(torch.cat([torch.ones(1, 2), first]), {}, StepBatch(["a", "x"], [1, 2], np.array([2, 16, 17])))
+        assert torch.equal(cache.materialize(sid, ["x"]).hidden["x"], first)
+        cache.begin_step(StepEvents())
+        stats = cache.stats()
+        assert (stats.hits, stats.misses, stats.requests_live) == (0, 1, 2), stats
+        sid = cache.save(torch.full((1, 2), 9.0), {}, StepBatch(["x"], [1], np.array([18])))
+        assert torch.equal(cache.materialize(sid, ["x"]).hidden["x"], torch.full((1, 2), 9.0))
+        cache.begin_step(StepEvents(finished=["a", "x"]))
+        assert cache.stats().requests_live == 0
+
+
+def test_stats_are_a_snapshot_that_later_writes_and_the_caller_do_not_change() -> None:
+    with small_cache(inline_write_bytes=0) as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        cache.discard(save_one(cache))
+        cache.flush()
+        before = cache.stats()
+        assert before.bytes_written == {"hidden": 2 * 2 * 4}
+        cache.discard(save_one(cache, first_slot=2))
+        cache.flush()
+        assert before.bytes_written == {"hidden": 2 * 2 * 4}, "an earlier snapshot changed with later writes"
+        before.bytes_written.clear()  # (the caller's to keep or change)
+        assert cache.stats().bytes_written == {"hidden": 2 * 2 * 2 * 4}
 
 
 def test_close_releases_the_hit_reads_of_steps_never_consumed() -> None:

@@ -404,6 +404,35 @@ def test_a_committer_failure_wakes_a_save_waiting_for_device_budget_with_the_fai
         assert cache.stats().device_bytes == 0, "a failed cache holds no device budget"
 
 
+def test_a_write_failure_while_save_flushes_requests_for_device_budget_is_what_save_raises() -> None:
+    # c's step needs the room of both a's and b's open records: save flushes a, whose write
+    # fails before save flushes b. Save raises that failure (every call does), not the
+    # CacheClosedError of the open records the failure forgot, and holds nothing.
+    step_bytes = 4 * 2 * 8  # 4 rows of int64 (2,)
+    with small_cache(policy=DEFERRED, device_budget_bytes=2 * step_bytes, inline_write_bytes=0) as cache:
+        cache.discard(save(cache, [("a", [0], 0, 4, 1)], new=[NewRequest("a", [0])]))
+        cache.discard(save(cache, [("b", [1], 0, 4, 2)], new=[NewRequest("b", [1])]))
+        cache.flush()  # (their hidden rows are written; their codes stay on the device)
+        assert cache.stats().device_bytes == 2 * step_bytes
+
+        def failing_write(records) -> None:
+            raise RuntimeError("injected: the write failed")
+
+        cache._writer.write_batch = failing_write
+        notify = cache._deferred._notify
+
+        def notify_then_wait_for_the_failure() -> None:  # (a's write fails before save goes on)
+            notify()
+            with cache._cond:
+                assert cache._cond.wait_for(lambda: cache._failure is not None, 10)
+
+        cache._deferred._notify = notify_then_wait_for_the_failure
+        with pytest.raises(WriteFailedError, match=r"request 'a'.*injected: the write failed"):
+            save(cache, [("c", [2, 3], 0, 8, 3)], new=[NewRequest("c", [2, 3])])
+        stats = cache.stats()
+        assert (stats.device_bytes, stats.steps_outstanding, stats.staging_holders) == (0, [], [[], [], []]), stats
+
+
 def test_an_aborted_request_mid_write_still_lands_and_can_be_hit() -> None:
     with small_cache(inline_write_bytes=0) as cache:
         gate = threading.Event()
@@ -692,6 +721,21 @@ def test_bad_dropped_saves_are_refused_changing_nothing(dropped_saves, message) 
         cache.begin_step(StepEvents(resumed=resumed))  # nothing dropped
         sid = cache.save(rows(2, 4, 1), {}, StepBatch(["a"], [1], slots_of([0, 1], 4, 1, BS)))
         assert torch.equal(cache.materialize(sid, ["a"]).hidden["a"], rows(2, 4, 1))
+
+
+def test_events_refused_for_a_dropped_saves_count_finish_no_request() -> None:
+    # A bad count refuses the whole events, their finished ids included (registers nothing):
+    # b stays live with its 4 rows delivered, so resuming it at 4 returns no row of them again.
+    with small_cache() as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0]), NewRequest("b", [1, 2])]))
+        cache.discard(cache.save(spans((1, 0, 4), (2, 0, 4)), {}, StepBatch(["a", "b"], [4, 4], np.arange(8))))
+        cache.flush()
+        with pytest.raises(InvalidInputError, match=r"request \"a\": 2 dropped saves; it has 1"):
+            cache.begin_step(StepEvents(finished=["b"], resumed=[ResumedRequest("a", [0], 0)], dropped_saves={"a": 2}))
+        cache.begin_step(StepEvents(resumed=[ResumedRequest("b", [1, 2], 4)]))
+        out = cache.materialize(cache.save(rows(3, 4, 1), {}, StepBatch(["b"], [1], np.array([8]))), ["b"])
+        assert describe(out.hidden["b"]) == describe(rows(3, 4, 1)), "b's delivered rows came back"
+        assert cache.stats().requests_live == 2
 
 
 def test_a_hit_on_an_open_record_gets_the_newest_row_of_a_slot_saved_twice() -> None:

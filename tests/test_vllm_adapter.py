@@ -416,6 +416,16 @@ def test_tracker_appends_replaces_and_forgets() -> None:
     assert len(t) == 0
 
 
+def test_tracker_replaces_a_resumed_requests_blocks_even_when_it_holds_none() -> None:
+    # A resumed request's new_block_ids replace its list, None (vLLM's "no blocks") included:
+    # its blocks from before the preemption (unreported here, as by a vLLM without
+    # preempted_req_ids) were freed, and must never give its slots again.
+    t = BlockTracker()
+    t.update(so_of(new=[new_req("a", [1, 2])], counts={"a": 8}))
+    t.update(so_of(cached=cached([("a", None, 0)], resumed={"a"})))
+    assert t.blocks("a") == []
+
+
 def test_tracker_undo_restores_every_kind_of_change() -> None:
     t = BlockTracker()
     t.update(so_of(new=[new_req(r, [b]) for r, b in zip("abcdfg", [1, 2, 3, 4, 11, 12], strict=True)]))

@@ -23,8 +23,9 @@ class CacheStats:
     ``staging_bytes`` are the host memory held per key. ``staging_holders`` lists who holds
     each staging page now. ``tasks_live`` counts the write tasks whose rows have not reached
     the pool (pending, queued, copying, or failed): 0 once `flush` returns, with no deferred
-    rows open. ``requests_live`` counts the requests registered by `begin_step` and not yet
-    reported finished (as of the last `begin_step`): one that only grows means finished or
+    rows open. ``requests_live`` counts the requests registered by `begin_step` (or taken as
+    new by a `save` that names one it never registered) and not yet reported finished (as of
+    the last `begin_step`): one that only grows means finished or
     aborted ids are not reaching the cache. ``reads_pending`` counts the hit reads (one per hit
     and key) planned at `save` and not yet served or released: 0 once every step id is
     consumed by `materialize` or `discard`.
