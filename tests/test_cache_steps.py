@@ -174,7 +174,8 @@ def test_materialize_refuses_a_bare_str_unhashable_and_duplicate_ids_and_consume
     ("batch", "message"),
     [
         (StepBatch(["a", "b"], [2], np.arange(2)), "2 req_ids but 1 num_scheduled_tokens"),
-        (StepBatch(["a", "a"], [1, 1], np.arange(2)), "req_ids has duplicates"),
+        (StepBatch(["a", "a"], [1, 1], np.arange(2)), r"req_ids has duplicates: 'a' at positions 0 and 1"),
+        (StepBatch(["b", "a", "c", "a"], [1] * 4, np.arange(4)), r"duplicates: 'a' at positions 1 and 3 \(each"),
         (StepBatch(["a", 5], [1, 1], np.arange(2)), r"req_ids holds request ids \(str, valid UTF-8\), got 5 at"),
         (StepBatch(["\ud800"], [2], np.arange(2)), r"req_ids holds request ids \(str, valid UTF-8\), got '\\ud800'"),
         (StepBatch(["a"], [-1], np.arange(2)), "num_scheduled_tokens of 'a' must be an int >= 0"),

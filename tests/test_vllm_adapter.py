@@ -1062,7 +1062,7 @@ def test_step_batch_refuses_a_request_named_twice() -> None:
     t = BlockTracker()
     so = so_of(new=[new_req("a", [3, 4])], counts={"a": 2})
     t.update(so)
-    with pytest.raises(InvalidInputError, match=r"req_ids has duplicates: \['a', 'a'\]"):
+    with pytest.raises(InvalidInputError, match=r"req_ids has duplicates: \['a'\] \(each request once per step\)"):
         step_batch(so, t, ["a", "a"], 4)
 
 

@@ -91,11 +91,12 @@ pub fn check_batch<'py>(
     let batch = checked.map_err(|err| invalid_input(err.to_string()))?;
     // Each request once, with its rows (the core's starts).
     let rows = PyDict::new(py);
-    for ((req, &count), &start) in reqs.iter().zip(&counts).zip(&batch.starts) {
+    for (i, ((req, &count), &start)) in reqs.iter().zip(&counts).zip(&batch.starts).enumerate() {
         if rows.contains(&req)? {
+            let first = reqs.index(&req)?;
             return Err(invalid_input(format!(
-                "req_ids has duplicates: {}",
-                reqs.repr()?
+                "req_ids has duplicates: {} at positions {first} and {i} (each request once per step)",
+                repr_of(&req)
             )));
         }
         rows.set_item(&req, PyTuple::new(py, [start, count])?)?;

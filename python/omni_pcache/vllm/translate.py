@@ -139,7 +139,8 @@ def step_batch(
         if missing:
             raise InvalidInputError(f"req_ids {missing} are not scheduled by this SchedulerOutput")
         if len(set(req_ids)) != len(req_ids):
-            raise InvalidInputError(f"req_ids has duplicates: {req_ids}")
+            twice = sorted({r for r in req_ids if req_ids.count(r) > 1})
+            raise InvalidInputError(f"req_ids has duplicates: {twice} (each request once per step)")
         extra = sorted(set(scheduled) - set(req_ids))
         if extra:
             raise InvalidInputError(f"scheduled requests {extra} are missing from req_ids (the forward's rows)")
