@@ -541,3 +541,114 @@ except InvalidInputError as exc:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "the slots of positions 0..4294967295 cannot be allocated" in done.stdout, done.stdout
+
+
+def test_the_largest_task_id_a_ledger_can_report_is_accepted_and_one_more_refused(ledger: Ledger) -> None:
+    # 2**63 - 1 is the last id the ledger can report as a non-negative int64 source.
+    top = 2**63 - 1
+    ledger.claim(np.array([4, 5]), 0, top)
+    assert ledger.peek(np.array([4, 5]), 0)[0].tolist() == [top, top]
+    before = snapshot(ledger)
+    with pytest.raises(InvalidInputError, match=r"task id 9223372036854775808 is out of range \[0, 2\*\*63\)"):
+        ledger.commit_many([top, 2**63])  # (refused as the out-of-range id it is, committing nothing)
+    assert snapshot(ledger) == before
+    assert ledger.commit_many([top]) == 2 and ledger.num_tasks == 0
+
+
+def test_owned_rows_of_several_tasks_say_where_their_one_contiguous_run_starts(ledger: Ledger) -> None:
+    key = ledger.add_key()
+    ledger.claim_many(np.array([7, 8, 2]), [2, 1], key, [5, 6])
+    positions, slots, first = ledger.owned_many([5, 6], key, [3, 5])
+    assert (positions.tolist(), slots.tolist(), first) == ([3, 4, 5], [7, 8, 2], 3)
+    positions, slots, first = ledger.owned_many([5, 6], key, [0, 4])
+    assert (positions.tolist(), slots.tolist(), first) == ([0, 1, 4], [7, 8, 2], -1), "not one run: -1"
+
+
+def test_try_claim_gives_none_for_a_full_ring_and_raises_once_it_is_closed() -> None:
+    staging = StagingSlots(2)
+    assert staging.try_claim(("step", 1)) == 0
+    assert staging.try_claim(("step", 2)) == 1
+    assert staging.try_claim(("step", 3)) is None  # full: no exception built
+    with pytest.raises(InvalidInputError, match="holder kind must be 'step' or 'task'"):
+        staging.try_claim(("page", 4))
+    staging.release(1, ("step", 2))
+    staging.close()
+    with pytest.raises(CacheClosedError):
+        staging.try_claim(("step", 5))  # (a free slot, but the ring is closed: not a silent None)
+    assert staging.holders() == [[("step", 1)], []]
+
+
+def test_a_reaped_completion_that_is_refused_still_removes_every_other_drained_task() -> None:
+    tasks = WriteTasks()
+    first, second, third = tasks.create_many(3)
+    for task in (first, second, third):
+        tasks.fail(task)
+    tasks.complete_many([first, second, third])
+    tasks.remove(first)  # (removed by hand while its completion was queued)
+    with pytest.raises(InvalidInputError, match=rf"unknown task#{first}"):
+        tasks.reap_completions()
+    assert len(tasks) == 0, "the other drained tasks were removed before the refusal was raised"
+    assert tasks.reap_completions() == []
+
+
+def test_long_index_arrays_changed_by_another_thread_during_a_call_never_escape_the_check() -> None:
+    # A call on 8192 indices or more runs without the GIL on a copy of the caller's array made
+    # while it is held: another thread writing the array meanwhile makes it see the old ids or
+    # the new ones (a typed refusal), never ids that changed between its check and their use.
+    n = 1 << 16
+    ledger = Ledger(n)
+    key = ledger.add_key()
+    good = np.random.default_rng(1).permutation(n).astype(np.int64)
+    slots, stop = good.copy(), threading.Event()
+
+    def scribble() -> None:
+        while not stop.is_set():
+            slots[-2000:] = 10**12
+            slots[-2000:] = good[-2000:]
+
+    thread = threading.Thread(target=scribble)
+    thread.start()
+    outcomes = []
+    try:
+        for _ in range(3000):
+            try:
+                sources, _ = ledger.peek(slots, key)
+                outcomes.append("read" if len(sources) == n else "short")
+            except InvalidInputError:
+                outcomes.append("refused")
+    finally:
+        stop.set()
+        thread.join()
+    assert set(outcomes) <= {"read", "refused"}
+
+
+def test_enqueue_many_stops_at_the_first_refusal_keeping_the_ones_before_it() -> None:
+    tasks = WriteTasks()
+    first, second = tasks.create_many(2)
+    with pytest.raises(InvalidInputError, match=r"unknown task#99"):
+        tasks.enqueue_many([first, 99, second])
+    assert (tasks.state(first), tasks.state(second)) == ("QUEUED", "PENDING")
+    assert tasks.pop() == first and tasks.pop() is None
+
+
+def test_versions_that_are_not_one_contiguous_array_are_a_typed_error(ledger: Ledger) -> None:
+    plan = ledger.plan_read(np.arange(4), 0)
+    strided = np.repeat(ledger.captured_versions(plan.read_id), 2)[::2]
+    assert not strided.flags.c_contiguous
+    with pytest.raises(InvalidInputError, match="versions: "):
+        ledger.unvouched(plan.read_id, strided)
+    assert ledger.unvouched(plan.read_id, strided.copy()).tolist() == []
+    ledger.release(plan.read_id)
+
+
+def test_strided_int64_index_arrays_are_read_like_contiguous_ones(ledger: Ledger) -> None:
+    strided = np.arange(0, 16, dtype=np.int64)[::2]  # slots 0, 2, ..., 14
+    assert not strided.flags.c_contiguous
+    sources, _ = ledger.peek(strided, 0)
+    assert sources.tolist() == [SOURCE_POOL, SOURCE_POOL] + [SOURCE_ABSENT] * 6
+    assert ledger.readers(strided, 0).tolist() == [0] * 8
+    assert block_table(strided[:3], 8).tolist() == [0, 2, 4]
+    assert block_slots(np.array([3, 0, 1, 0], dtype=np.int64)[::2], 0, 4, 2).tolist() == [6, 7, 2, 3]
+    pool = np.zeros((16, 2), np.uint8)
+    scatter_rows(pool, np.ones((8, 2), np.uint8), strided)
+    assert pool[::2].all() and not pool[1::2].any()

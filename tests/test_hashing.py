@@ -74,3 +74,13 @@ def test_same_hash_in_another_process(seed: str) -> None:
     env = {**os.environ, "PYTHONHASHSEED": seed}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.strip() == str(hash_blocks(tokens, 16, extra_keys=[b"a", None, b"b"]))
+
+
+def test_the_array_form_takes_extra_keys_as_a_list_or_a_tuple() -> None:
+    tokens = np.arange(48, dtype=np.int64)
+    keys = [b"a", None, bytearray(b"b")]
+    listed = block_hashes(tokens, 16, extra_keys=keys)
+    np.testing.assert_array_equal(block_hashes(tokens, 16, extra_keys=tuple(keys)), listed)
+    assert [int(lo) | int(hi) << 64 for lo, hi in listed.tolist()] == reference(
+        list(range(48)), 16, None, [b"a", None, b"b"]
+    )

@@ -426,3 +426,55 @@ def test_a_page_without_dimensions_is_a_typed_error_not_a_panic() -> None:
 def test_int_arguments_accept_their_largest_value() -> None:
     assert block_table([0, 5], 2**32 - 1).tolist() == [0, 5]
     assert block_slots(np.array([1], np.int64), 0, 2, 2**32 - 1).tolist() == [2**32 - 1, 2**32]
+
+
+def test_a_key_with_nothing_to_copy_still_has_its_page_checked_before_anything_changes() -> None:
+    # A page that could not be read as the pool's rows is refused even when the key's rows all
+    # moved on (nothing to copy) or are zero bytes wide: refused before any transition.
+    tasks, ledger, _, _, keys, ids = copying_step([0, 1])
+    ledger.claim(np.array([0, 1], dtype=np.int64), keys[0], tasks.create())  # both rows move on
+    pool = np.zeros((16, 4), np.uint8)
+    for page, pool_of, why in (
+        (np.zeros((4, 8), np.uint8), pool, "page rows of 8 bytes into a pool of 4-byte rows"),
+        (np.array(7, np.uint8), pool, "page: rows must be a C-contiguous array of at least one dimension"),
+        (np.zeros((4, 2), np.uint8), np.zeros((16, 0), np.uint8), "page rows of 2 bytes into a pool of 0-byte rows"),
+    ):
+        with pytest.raises(InvalidInputError, match=f"write_step_rows: key#0: {why}"):
+            write_step_rows(tasks, ledger, ids, [0], [(keys[0], page, pool_of)])
+        assert tasks.state(ids[0]) == "COPYING", "refused: nothing changed"
+    assert write_step_rows(tasks, ledger, ids, [0], [(keys[0], np.zeros((4, 4), np.uint8), pool)]) == [0]
+    assert tasks.state(ids[0]) == "WRITTEN" and not pool.any()
+
+
+def test_rows_at_an_odd_byte_offset_for_their_dtype_are_refused_before_anything_changes() -> None:
+    # `write_step_now` reads a key's rows in their own dtype: a float32 view at an odd byte
+    # offset is not aligned for it, and is refused (a typed error, nothing changed).
+    tasks, ledger, staging = WriteTasks(), Ledger(16), StagingSlots(2)
+    key = ledger.add_key()
+    page = staging.claim(("step", 0))
+    slots = np.array([3, 4, 9], dtype=np.int64)
+    ids, _ = claim_step(tasks, ledger, staging, page, slots, [3], [key])
+    hidden = np.arange(3 * 2, dtype=np.float32).reshape(3, 2) + 0.5
+    raw = bytearray(1 + hidden.nbytes)
+    odd = np.frombuffer(raw, dtype=np.float32, offset=1, count=hidden.size).reshape(hidden.shape)
+    odd[:] = hidden
+    assert odd.flags.c_contiguous and not odd.flags.aligned
+    pool = np.zeros((16, 8), dtype=np.uint8)
+    why = "page: rows must be aligned for their element type"
+    with pytest.raises(InvalidInputError, match=f"write_step_now: key#0: {why}"):
+        write_step_now(tasks, ledger, staging, page, ids, [0], [(key, odd, pool)])
+    assert tasks.state(ids[0]) == "PENDING" and not pool.any(), "refused: nothing changed"
+    assert write_step_now(tasks, ledger, staging, page, ids, [0], [(key, hidden, pool)]) == [3]
+    np.testing.assert_array_equal(pool[slots].view(np.float32), hidden)
+
+
+def test_a_step_run_whose_close_is_refused_publishes_none_of_its_tasks() -> None:
+    # `close_step_writes` publishes the run only once its rows are committed and its holds
+    # dropped: a refusal there (a page the tasks do not hold) leaves nothing on the completion queue.
+    tasks, ledger, staging, _, keys, ids = copying_step([3, 4])
+    write_step_rows(tasks, ledger, ids, [0], [(keys[0], np.ones((2, 4), np.uint8), np.zeros((16, 4), np.uint8))])
+    other = staging.claim(("step", 1))
+    with pytest.raises(InvalidInputError, match=rf"task#{ids[0]} does not hold staging slot {other}"):
+        close_step_writes(tasks, ledger, staging, other, ids)
+    assert tasks.reap_completions() == [], "a refused close publishes nothing"
+    assert tasks.state(ids[0]) == "WRITTEN"
