@@ -641,6 +641,25 @@ def test_versions_that_are_not_one_contiguous_array_are_a_typed_error(ledger: Le
     ledger.release(plan.read_id)
 
 
+@pytest.mark.parametrize(
+    ("versions", "described"),
+    [
+        ([0, 0, 0, 0], "an object of type list"),
+        (np.zeros(4, np.int64), "a 1-D int64 array"),
+        (np.zeros((2, 2), np.uint64), "a 2-D uint64 array"),
+        (7, "an object of type int"),
+    ],
+)
+def test_versions_of_another_kind_are_a_typed_error_naming_what_came(ledger: Ledger, versions, described: str) -> None:
+    plan = ledger.plan_read(np.arange(4), 0)
+    with pytest.raises(InvalidInputError, match=f"versions must be a 1-D uint64 array .*got {described}$"):
+        ledger.unvouched(plan.read_id, versions)
+    assert ledger.unvouched(plan.read_id, ledger.captured_versions(plan.read_id)).tolist() == [], (
+        "the read is still there"
+    )
+    ledger.release(plan.read_id)
+
+
 def test_strided_int64_index_arrays_are_read_like_contiguous_ones(ledger: Ledger) -> None:
     strided = np.arange(0, 16, dtype=np.int64)[::2]  # slots 0, 2, ..., 14
     assert not strided.flags.c_contiguous

@@ -47,6 +47,21 @@ pub fn vouched(before: (&[i64], &[u64]), after: (&[i64], &[u64])) -> Vec<u64> {
         .collect()
 }
 
+/// Runs `copy` between two looks at where the copied slots' rows are and returns the version
+/// each copied row is vouched for ([`vouched`]). `peek` is [`crate::Ledger::peek`] of those
+/// slots on the prefetch's key, taking the ledger's lock for itself each time: `copy` runs
+/// without it, so a write may land meanwhile, and the second look is what catches it.
+pub fn copy_vouched<P, C>(mut peek: P, copy: C) -> crate::Result<Vec<u64>>
+where
+    P: FnMut() -> crate::Result<(Vec<i64>, Vec<u64>)>,
+    C: FnOnce(),
+{
+    let before = peek()?;
+    copy();
+    let after = peek()?;
+    Ok(vouched((&before.0, &before.1), (&after.0, &after.1)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -88,6 +103,31 @@ mod tests {
             ledger.unvouched(plan.read, &got[1..]).is_err(),
             "another length"
         );
+    }
+
+    #[test]
+    fn a_write_that_lands_during_the_copy_unvouches_its_rows() {
+        let ledger = std::cell::RefCell::new(Ledger::new(16, 4).unwrap());
+        let key = ledger.borrow_mut().add_key();
+        let slots: Vec<i64> = (0..8).collect();
+        ledger.borrow_mut().claim(&slots, key, TaskId(1)).unwrap();
+        ledger.borrow_mut().commit(TaskId(1)).unwrap();
+        let v1 = ledger.borrow().peek(&slots, key).unwrap().1[0];
+        let got = copy_vouched(
+            || ledger.borrow().peek(&slots, key),
+            || {
+                // A new tenant's rows of slots 2..4 are written while the prefetch copies.
+                let mut l = ledger.borrow_mut();
+                l.claim(&slots[2..4], key, TaskId(2)).unwrap();
+                l.commit(TaskId(2)).unwrap();
+            },
+        )
+        .unwrap();
+        assert_eq!(got, vec![v1, v1, 0, 0, v1, v1, v1, v1]);
+        // A peek that fails (a slot outside the ledger) is the call's error, copying nothing.
+        let mut copied = false;
+        let outside = copy_vouched(|| ledger.borrow().peek(&[99_i64], key), || copied = true);
+        assert!(outside.is_err() && !copied);
     }
 
     #[test]

@@ -299,12 +299,20 @@ impl Ledger {
 
     /// Positions of the read whose captured version differs from ``versions`` there (a
     /// prefetch's vouched versions, 0 where none): the rows to read from the pool instead.
+    /// ``versions`` is a C-contiguous 1-D ``uint64`` array (what ``prefetch_rows`` returns);
+    /// anything else is an ``InvalidInputError`` naming what it got.
     fn unvouched(
         &self,
         py: Python<'_>,
         read_id: u64,
-        versions: numpy::PyReadonlyArray1<'_, u64>,
+        versions: &Bound<'_, PyAny>,
     ) -> PyResult<Py<PyArray1<i64>>> {
+        let Some(versions) = crate::convert::readonly_1d::<u64>(versions, "versions")? else {
+            return Err(invalid_input(format!(
+                "versions must be a 1-D uint64 array (a prefetch's vouched versions), got {}",
+                describe_array(versions)
+            )));
+        };
         let versions = versions
             .as_slice()
             .map_err(|err| invalid_input(format!("versions: {err}")))?;
@@ -383,5 +391,22 @@ impl Ledger {
             l.num_tasks(),
             l.num_pending_reads()
         )
+    }
+}
+
+/// What `value` is, for an error message: `"a 2-D int64 array"`, else its type's name (never
+/// its contents, which may be long).
+fn describe_array(value: &Bound<'_, PyAny>) -> String {
+    let dims = value.getattr("ndim").and_then(|n| n.extract::<usize>());
+    let dtype = value
+        .getattr("dtype")
+        .and_then(|d| d.str().map(|s| s.to_string()));
+    match (dims, dtype) {
+        (Ok(dims), Ok(dtype)) => format!("a {dims}-D {dtype} array"),
+        _ => value
+            .get_type()
+            .name()
+            .map(|n| format!("an object of type {n}"))
+            .unwrap_or_else(|_| "an object of another type".to_owned()),
     }
 }

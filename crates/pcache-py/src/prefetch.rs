@@ -5,7 +5,7 @@
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-use pcache_core::prefetch::{paired_runs, vouched};
+use pcache_core::prefetch::{copy_vouched, paired_runs};
 use pcache_core::KeyId;
 
 use crate::convert::{uint_array, IndexSlice, Indices};
@@ -91,13 +91,16 @@ pub fn prefetch_rows(
     let key = KeyId(key_id);
     let versions = py
         .detach(move || {
-            let before = ledger.lock().peek(&slots, key)?;
-            for (slot, row, len) in paired_runs(&slots, &dest) {
-                let (at, to_at, bytes) = (slot * row_bytes, row * row_bytes, len * row_bytes);
-                to[to_at..to_at + bytes].copy_from_slice(&from[at..at + bytes]);
-            }
-            let after = ledger.lock().peek(&slots, key)?;
-            Ok::<_, pcache_core::Error>(vouched((&before.0, &before.1), (&after.0, &after.1)))
+            copy_vouched(
+                || ledger.lock().peek(&slots, key),
+                || {
+                    for (slot, row, len) in paired_runs(&slots, &dest) {
+                        let (at, to_at, bytes) =
+                            (slot * row_bytes, row * row_bytes, len * row_bytes);
+                        to[to_at..to_at + bytes].copy_from_slice(&from[at..at + bytes]);
+                    }
+                },
+            )
         })
         .py_err()?;
     Ok(uint_array(py, versions))
