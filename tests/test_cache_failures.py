@@ -436,6 +436,23 @@ def test_a_write_not_in_the_pool_in_time_is_a_timeout_naming_each_stuck_task() -
         assert cache.stats().tasks_live == 0
 
 
+def test_a_flush_timeout_names_every_stuck_task_not_only_the_first() -> None:
+    with small_cache(inline_write_bytes=0) as cache:
+        gate = threading.Event()
+        write = cache._writer.write_batch
+        cache._writer.write_batch = lambda groups: (gate.wait(10), write(groups))
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0]), NewRequest("c", [1])]))  # one task each
+        cache.discard(cache.save(torch.ones(8, 2), {}, StepBatch(["a", "c"], [4, 4], np.arange(8))))
+        try:
+            with pytest.raises(WriteTimeoutError) as flushed:
+                cache.flush(0.05)
+        finally:
+            gate.set()
+        assert len(flushed.value.states) == 2 and all(str(t) in str(flushed.value) for t in flushed.value.states)
+        cache.flush()
+        assert cache.stats().tasks_live == 0
+
+
 def test_a_save_refused_while_it_holds_the_pool_writer_lets_it_go(monkeypatch) -> None:
     # A small CPU step save writes itself takes the pool writer's lock first; a refusal after
     # that must release it, or the committer (and every later write) waits for it forever.

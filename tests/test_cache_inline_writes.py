@@ -103,6 +103,12 @@ def test_a_step_with_a_key_too_big_to_copy_in_save_goes_through_the_page(monkeyp
         sid = cache.save(wide, {}, StepBatch(["a"], [8], np.arange(8)))
         assert torch.equal(cache.materialize(sid, ["a"]).hidden["a"], wide)
         assert copied == [8], "copied out of the page (or the caller's tensor), not handed out"
+        # Its page copy was handed over, not done when save returned: save must not write the
+        # pool from that page itself (it would write what the page held before), so a hit over
+        # a's blocks gets a's rows.
+        cache.begin_step(StepEvents(new=[NewRequest("b", [0, 1, 2], 8)]))
+        sid = cache.save(torch.zeros(1, 10_000), {}, StepBatch(["b"], [1], np.array([8])))
+        assert torch.equal(cache.materialize(sid, ["b"]).hidden["b"][:8], wide)
 
 
 def test_a_step_with_hits_copies_its_own_rows_behind_the_hit_rows() -> None:
@@ -208,6 +214,12 @@ def test_padded_strided_and_complex_rows_are_saved_whole() -> None:
         out = cache.materialize(sid, ["h"])
         assert torch.equal(out.hidden["h"][:8], base[:8, 1::2]) and torch.equal(out.mm["waves"]["h"][:8], waves[:8])
         assert torch.equal(hit_rows(cache, [0, 1, 2], 8, 8), strided[:8])
+        # A dense tensor that is not contiguous (a transpose) comes back as a contiguous copy,
+        # as every other step's rows do, not with the caller's strides.
+        transposed = torch.arange(24.0).reshape(3, 8).t()
+        cache.begin_step(StepEvents(new=[NewRequest("t", [10, 11])]))
+        out = cache.materialize(cache.save(transposed, {}, StepBatch(["t"], [8], np.arange(40, 48))), ["t"])
+        assert torch.equal(out.hidden["t"], transposed) and out.hidden["t"].is_contiguous()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.bool], ids=str)

@@ -242,6 +242,10 @@ def test_explicit_token_keys_turn_discovery_off() -> None:
         assert torch.equal(out.mm["coincidence"]["b"], torch.tensor([104, 105]))
         with pytest.raises(InvalidInputError, match=r"mm key 'codes' must be a tensor"):
             cache.save(torch.zeros(2, 2), {"codes": [1, 2]}, StepBatch(["a"], [2], np.array([4, 5])))
+        # A padded step: a leftover of the padded count is sliced per request like one of the count.
+        mm = {"codes": torch.arange(4), "coincidence": torch.arange(200, 204)}
+        sid = cache.save(torch.zeros(4, 2), mm, StepBatch(["a"], [2], np.array([4, 5]), 4))
+        assert torch.equal(cache.materialize(sid, ["a"]).mm["coincidence"]["a"], torch.tensor([200, 201]))
 
 
 class Span(NamedTuple):
@@ -552,6 +556,27 @@ class Tagged(dict):
     """A dict subclass carrying an attribute of its own."""
 
 
+class Boxed(tuple):
+    """A tuple subclass whose constructor boxes the iterable it is given: as many items, not the same ones."""
+
+    def __new__(cls, items):
+        return super().__new__(cls, (list(items), "box"))
+
+
+class Bounds(tuple):
+    """A tuple subclass whose constructor takes exactly two arguments (neither an iterable nor ``*items``)."""
+
+    def __new__(cls, low, high):
+        return super().__new__(cls, (low, high))
+
+
+class Frozen(dict):
+    """A dict subclass that refuses item assignment (so a shallow copy of it cannot be filled)."""
+
+    def __setitem__(self, key, value):
+        raise TypeError("Frozen is read-only")
+
+
 def test_container_subclasses_that_cannot_be_rebuilt_faithfully_come_back_plain() -> None:
     # A constructor of another signature would wrap the copies (Spread((a, b)) is one item),
     # and a shallow copy of an instance with attributes would share them with the caller, whose
@@ -561,16 +586,20 @@ def test_container_subclasses_that_cannot_be_rebuilt_faithfully_come_back_plain(
         t = torch.arange(3.0)
         tagged = Tagged(x=t)
         tagged.extra = t
-        sid = cache.save(
-            torch.ones(4, 2),
-            {"meta": {"spread": Spread(t, 2), "tagged": tagged}},
-            StepBatch(["a"], [4], slots_of([0], 0, 4, BS)),
-        )
+        # (Boxed rebuilt from the copies would box them again; Bounds cannot be called with one
+        # iterable; a Frozen shallow copy cannot be filled)
+        meta = {"spread": Spread(t, 2), "tagged": tagged, "boxed": Boxed([t, 2]), "bounds": Bounds(t, 5)}
+        meta["frozen"] = Frozen(x=t)
+        sid = cache.save(torch.ones(4, 2), {"meta": meta}, StepBatch(["a"], [4], slots_of([0], 0, 4, BS)))
         t.fill_(9.0)
         got = cache.materialize(sid, ["a"]).mm["meta"]["a"]
     assert type(got["spread"]) is tuple and len(got["spread"]) == 2 and got["spread"][1] == 2
     assert torch.equal(got["spread"][0], torch.arange(3.0))
     assert type(got["tagged"]) is dict and torch.equal(got["tagged"]["x"], torch.arange(3.0))
+    assert type(got["boxed"]) is tuple and got["boxed"][1] == "box" and got["boxed"][0][1] == 2
+    assert torch.equal(got["boxed"][0][0], torch.arange(3.0))
+    assert type(got["bounds"]) is tuple and got["bounds"][1] == 5 and torch.equal(got["bounds"][0], torch.arange(3.0))
+    assert type(got["frozen"]) is dict and torch.equal(got["frozen"]["x"], torch.arange(3.0))
 
 
 Pair = namedtuple("Pair", ["first", "second"])

@@ -443,8 +443,10 @@ def test_rows_that_require_grad_or_have_no_data() -> None:
     with small_cache() as cache:
         cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
         rows = torch.ones(2, 2, requires_grad=True)  # (a model run outside inference mode)
-        out = cache.materialize(cache.save(rows, {}, StepBatch(["a"], [2], np.arange(2))), ["a"])
+        codes = torch.ones(2, 3, requires_grad=True) * 2  # (an mm key's rows in the graph too)
+        out = cache.materialize(cache.save(rows, {"codes": codes}, StepBatch(["a"], [2], np.arange(2))), ["a"])
         assert torch.equal(out.hidden["a"], torch.ones(2, 2)) and not out.hidden["a"].requires_grad
+        assert torch.equal(out.mm["codes"]["a"], torch.full((2, 3), 2.0)) and not out.mm["codes"]["a"].requires_grad
         with pytest.raises(InvalidInputError, match="hidden states is a meta tensor: it has no rows to cache"):
             cache.save(torch.ones(2, 2, device="meta"), {}, StepBatch(["a"], [2], np.arange(2, 4)))
         assert cache.stats().steps_outstanding == []
@@ -459,6 +461,9 @@ def test_bad_hidden_raises() -> None:
             cache.save(torch.ones(3, 2), {}, StepBatch(["a"], [2], np.arange(2)))
         with pytest.raises(InvalidInputError, match="mm must be a dict"):
             cache.save(torch.ones(2, 2), [1], StepBatch(["a"], [2], np.arange(2)))
+        with pytest.raises(InvalidInputError, match="mm key 'hidden' is reserved for hidden states"):
+            cache.save(torch.ones(2, 2), {"hidden": torch.zeros(2, 2)}, StepBatch(["a"], [2], np.arange(2)))
+        assert cache.stats().steps_outstanding == []
         cache.discard(save_one(cache))
 
 

@@ -107,11 +107,12 @@ def test_a_small_step_saved_while_the_committer_writes_is_handed_to_it_not_waite
         assert torch.equal(out.hidden["b"], torch.cat([torch.ones(8, 2), torch.zeros(1, 2)]))
 
 
-def recording_host_copies(monkeypatch) -> list[str]:
+def recording_host_copies(monkeypatch, every_copy_deferred: bool = True) -> list[str]:
     from omni_pcache import copy_engine
     from omni_pcache.copy_engine import HostCopy
 
-    monkeypatch.setattr(copy_engine, "INLINE_COPY_BYTES", 0)  # every CPU copy deferred
+    if every_copy_deferred:
+        monkeypatch.setattr(copy_engine, "INLINE_COPY_BYTES", 0)
     names: list[str] = []
     run = HostCopy.run
 
@@ -202,6 +203,68 @@ def test_small_cpu_copies_are_made_in_save(monkeypatch) -> None:
         assert copiers == []  # no deferred copy: the 32-byte step was copied into the page inside save
         assert torch.equal(cache.materialize(sid, ["a"]).hidden["a"], h)
         assert cache.stats().bytes_written == {"hidden": 32}
+
+
+def test_the_size_a_cpu_copy_is_made_in_save_under_is_in_bytes(monkeypatch) -> None:
+    # 70,000 float32 elements: fewer than INLINE_COPY_BYTES (256 KiB), but 280 KB, so the
+    # committer copies them, not the engine thread inside save.
+    copiers = recording_host_copies(monkeypatch, every_copy_deferred=False)
+    with small_cache(inline_write_bytes=0) as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        h = torch.randn(8, 8750)
+        sid = cache.save(h, {}, StepBatch(["a"], [8], np.arange(8)))
+        cache.flush()
+        assert copiers == ["omni-pcache-committer"]
+        assert torch.equal(cache.materialize(sid, ["a"]).hidden["a"], h)
+
+
+def test_a_host_copy_run_while_another_thread_runs_it_waits_for_that_one() -> None:
+    # The fence (engine thread) finding the committer in the middle of a step's CPU copies must
+    # wait for them: once it returns, the saved tensors are the caller's again, so no thread may
+    # still be reading them (nor copy a pair a second time).
+    from omni_pcache.copy_engine import HostCopy
+
+    inside, release = threading.Event(), threading.Event()
+    copied: list[str] = []
+
+    class Destination:
+        def copy_(self, src: str) -> None:
+            copied.append(src)
+            if len(copied) == 1:  # (the committer, held in its first copy)
+                inside.set()
+                assert release.wait(10), "test gate never opened"
+
+    class WatchedLock:
+        def __init__(self) -> None:
+            self.lock, self.contended = threading.Lock(), threading.Event()
+
+        def __enter__(self) -> None:
+            if not self.lock.acquire(blocking=False):
+                self.contended.set()
+                self.lock.acquire()
+
+        def __exit__(self, *exc) -> None:
+            self.lock.release()
+
+    copy = HostCopy([(Destination(), "first"), (Destination(), "second")])
+    copy._lock = lock = WatchedLock()
+    committer = threading.Thread(target=copy.run)
+    committer.start()
+    assert inside.wait(10)
+    fenced = threading.Event()
+    fence = threading.Thread(target=lambda: (copy.run(), fenced.set()))
+    try:
+        fence.start()
+        for _ in range(10_000):  # until the fence either waits for the committer or returns without it
+            if lock.contended.is_set() or fenced.is_set():
+                break
+            time.sleep(0.001)
+        assert not fenced.is_set(), "the fence returned while the committer was still copying"
+    finally:
+        release.set()
+        committer.join(10)
+        fence.join(10)
+    assert fenced.is_set() and copy.done() and copied == ["first", "second"]
 
 
 def test_threaded_false_writes_inline_on_the_engine_thread() -> None:
@@ -424,6 +487,17 @@ def test_a_materialize_waiting_for_an_in_flight_write_is_counted_with_its_wait_t
         # (the gate opens 0.2 s after the timer starts, a little before or after the read begins
         # to wait on a loaded machine: the wait counted is well above zero, not exactly 0.2 s)
         assert stats.num_waits == 1 and 0.1 <= stats.wait_time_s < 10 and stats.rows_in_flight == 4
+
+
+def test_a_flush_finding_every_write_in_the_pool_counts_no_wait() -> None:
+    # (the tasks are written but not forgotten until the next begin_step: nothing to wait for)
+    with small_cache(inline_write_bytes=0) as cache:  # (the committer writes the step)
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        cache.discard(cache.save(torch.ones(4, 2), {}, StepBatch(["a"], [4], np.arange(4))))
+        cache.flush()
+        waits = cache.stats().num_waits
+        cache.flush()
+        assert cache.stats().num_waits == waits
 
 
 def test_the_fence_forgets_the_copies_it_finished() -> None:

@@ -80,6 +80,8 @@ def test_rows_that_are_views_or_of_another_dtype_are_written_like_index_copy() -
     rows = base[:4]
     with pytest.raises(RuntimeError, match="dtype"):  # index_copy_ checks what the native path would not
         pool.write("k", slots, rows.double())
+    pool.write("k", np.zeros(0, dtype=np.int64), base[:0])  # no rows: nothing to write, nothing refused
+    assert torch.equal(pool.read("k", torch.from_numpy(slots)), within_rows)
 
 
 def test_rows_of_another_row_shape_or_lazily_conjugated_go_through_index_copy() -> None:
@@ -365,6 +367,8 @@ def test_staging_pages_are_replaced_under_another_row_shape_or_dtype_and_freed_b
     assert pages.nbytes() == {}
     with pytest.raises(KeyError):
         pages.page("k", 0)
+    with pytest.raises(KeyError):  # (no byte view of the dropped storage is kept either)
+        pages.page_bytes("k", 1)
 
 
 # ---- binding checks a mutation audit of crates/pcache-py found untested ---------------------------

@@ -532,6 +532,9 @@ def test_tracker_rejects_a_running_request_it_does_not_know() -> None:
     with pytest.raises(InvalidInputError, match="preempted to the tracker"):
         t.update(so_of(new=[new_req("q", [2])], cached=cached([("p", [3], 4)]), counts={"p": 1, "q": 4}))
     assert "q" not in t  # nothing applied
+    # (one the same output preempts is named preempted, known to the tracker or not)
+    with pytest.raises(InvalidInputError, match="'y', which is preempted to the tracker"):
+        t.update(so_of(preempted_req_ids={"y"}, cached=cached([("y", [4], 4)]), counts={"y": 1}))
 
 
 def test_tracker_refuses_several_kv_groups() -> None:
@@ -1295,6 +1298,24 @@ def test_an_aborted_requests_id_resubmitted_is_not_in_the_old_requests_drop_mode
     entries.all_token_ids["R"] = [1, 2, 3, 4, 5]  # (its output arrived: the sampled 5th token is there)
     t.update(so_of(cached=entries, counts={"R": 5}))
     assert t.dropped_saves == {}
+
+
+def test_a_step_id_noted_for_an_output_whose_update_was_undone_marks_no_other_output() -> None:
+    # The cache refused step 2's events (the mixin undid its update); a save noted for step 2's
+    # output anyway must not stamp step 1's output with its id: step 1's chunk (step 7, not
+    # taken) is still what a reset finds outstanding, so its rows come again with R's resume.
+    t = BlockTracker(steps_in_flight=3)
+    first = so_of(new=[new_req("R", [1, 2])], counts={"R": 8})
+    t.update(first)
+    t.saved(first, 7)
+    refused = so_of(cached=cached([("R", None, 8)]), counts={"R": 8})
+    t.update(refused, {7}.__contains__)()
+    t.saved(refused, 9)
+    t.update(so_of(preempted_req_ids={"R"}, new=[new_req("X", [5])], counts={"X": 1}), {7}.__contains__)
+    entries = cached([("R", [6, 7], 0)], resumed={"R"})
+    entries.all_token_ids["R"] = list(range(20))
+    t.update(so_of(cached=entries, counts={"R": 8}))
+    assert t.dropped_saves == {"R": 1}
 
 
 def test_a_reset_preempted_requests_taken_steps_are_forgotten() -> None:
