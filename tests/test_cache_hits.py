@@ -550,6 +550,87 @@ def test_a_late_read_partly_preserved_and_partly_in_flight_counts_each_row_where
         assert (stats.rows_preserved, stats.rows_in_flight, stats.rows_from_pool) == (8, 8, 0)
 
 
+def test_a_late_read_whose_reused_block_came_from_the_pool_counts_the_rest_as_in_flight() -> None:
+    # The other way round: block 0 is in the pool and block 1 in a's write in transit when b's
+    # read is planned, and block 0 is reused. The preserved rows are the pool's ones, so what
+    # is left to count is block 1, in flight: the counts follow the rows, not their order.
+    with small_cache(inline_write_bytes=0) as cache:
+        cache.materialize(run_step(cache, [NewRequest("a", [0, 1])], reqs=[("a", [0, 1], 0, 4, 1)]), ["a"])
+        cache.flush()
+        gate = hold_writes(cache)
+        cache.materialize(run_step(cache, reqs=[("a", [0, 1], 4, 4, 1)]), ["a"])
+        hit_step = run_step(cache, [NewRequest("b", [0, 1, 2], 8)], reqs=[("b", [0, 1, 2], 8, 1, 2)])
+        cache.discard(run_step(cache, [NewRequest("c", [0])], finished=["a"], reqs=[("c", [0], 0, 4, 3)]))
+        gate.set()
+        expect(cache.materialize(hit_step, ["b"]), "b", [(1, 0, 8), (2, 8, 1)])
+        stats = cache.stats()
+        # (per key: 4 rows of block 0 preserved, 4 of block 1 from a's write; hidden and codes)
+        assert (stats.rows_preserved, stats.rows_in_flight, stats.rows_from_pool) == (8, 8, 0)
+
+
+class _WaitSignals:
+    """The cache's condition as `WriteRecords` sees it: ``waiting`` is set as a waiter waits."""
+
+    def __init__(self, cond: threading.Condition) -> None:
+        self._cond, self.waiting = cond, threading.Event()
+
+    def __enter__(self):
+        return self._cond.__enter__()
+
+    def __exit__(self, *exc):
+        return self._cond.__exit__(*exc)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting.set()
+        return self._cond.wait(timeout)
+
+    def __getattr__(self, name: str):
+        return getattr(self._cond, name)
+
+
+def test_a_read_waiting_for_a_write_that_owed_rows_to_another_read_is_woken_when_it_lands() -> None:
+    # b's read waits (on another thread) for a's write in transit, which owes c's reuse of
+    # block 0 a copy for b: its writer commits, fills that copy, then marks the task done. b's
+    # read, woken by the commit and the fill before the task is done, waits again: the task
+    # marked done must wake it (no later write does: they are held until b is served).
+    with small_cache(inline_write_bytes=0, claim_timeout_s=60.0) as cache:
+        first, later = threading.Event(), threading.Event()
+        write = cache._writer.write_batch
+        batches = []
+
+        def held_write(groups) -> None:
+            batches.append(groups)
+            assert (first if len(batches) == 1 else later).wait(10), "test gate never opened"
+            write(groups)
+
+        cache._writer.write_batch = held_write
+        cache.materialize(run_step(cache, [NewRequest("a", [0, 1])], reqs=[("a", [0, 1], 0, 8, 1)]), ["a"])
+        hit_step = run_step(cache, [NewRequest("b", [0, 1, 2], 8)], reqs=[("b", [0, 1, 2], 8, 1, 2)])
+        cache.discard(run_step(cache, [NewRequest("c", [0])], finished=["a"], reqs=[("c", [0], 0, 4, 3)]))
+        signals = cache._records._cond = _WaitSignals(cache._cond)
+        fill = cache._preserved.fill
+
+        def fill_then_wait_for_the_reader(*args) -> None:  # (the writer, between commit and done)
+            fill(*args)
+            with cache._cond:
+                signals.waiting.clear()
+                cache._cond.notify_all()
+            assert signals.waiting.wait(10), "b's read stopped waiting before a's task was done"
+
+        cache._preserved.fill = fill_then_wait_for_the_reader
+        out: dict = {}
+        reader, errors = start_thread(lambda: out.update(b=cache.materialize(hit_step, ["b"])))
+        assert signals.waiting.wait(10), "b's read never waited for a's write"
+        first.set()
+        reader.join(10)  # (its own timeout is 60 s: only the task marked done wakes it before)
+        woken = not reader.is_alive()
+        later.set()
+        reader.join(60)
+        assert woken, "b's read was not woken when a's task was done"
+        assert errors == []
+        expect(out["b"], "b", [(1, 0, 8), (2, 8, 1)])
+
+
 def _late_read_with_its_copy_held_back(cache, before_reuse=lambda: None):
     """b's step hits a's block 0 (in the pool); then (after ``before_reuse``) c's save reuses
     block 0 on another thread (the engine's, from then on) and is held inside the copy that

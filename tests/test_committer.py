@@ -98,6 +98,38 @@ def test_tasks_queued_as_stop_begins_are_written_before_the_thread_ends() -> Non
     assert racing.num_queue_entries == 0
 
 
+def test_without_a_thread_a_failed_batch_is_reported_and_the_batches_queued_behind_it_still_written() -> None:
+    tasks = WriteTasks()
+    first, second, third = tasks.create(), tasks.create(), tasks.create()
+    written: list[int] = []
+    failures: list[tuple[int, str]] = []
+
+    def write(batch: list[int]) -> None:
+        if first in batch:
+            raise RuntimeError("injected: pool write failed")
+        written.extend(batch)
+
+    committer = Committer(tasks, write, lambda task_id, exc: failures.append((task_id, str(exc))), threaded=False)
+    committer.max_batch = 1  # (a batch per task: the failed one first, two queued behind it)
+    tasks.enqueue_many([first, second, third])
+    committer.notify(3)
+    assert failures == [(first, "injected: pool write failed")]
+    assert written == [second, third], "the committer stopped draining at the failed batch"
+    assert tasks.num_queue_entries == 0
+
+
+def test_without_a_thread_stop_writes_what_is_queued() -> None:
+    tasks = WriteTasks()
+    first, second = tasks.create(), tasks.create()
+    done = {first: threading.Event(), second: threading.Event()}
+    written: list[int] = []
+    committer = Committer(tasks, recording(written, done), lambda *a: None, threaded=False)
+    tasks.enqueue_many([first, second])  # (queued, with no notify yet)
+    committer.stop(10)
+    assert written == [first, second], "stop left queued tasks unwritten"
+    assert tasks.num_queue_entries == 0
+
+
 def test_close_returns_only_once_the_write_in_progress_has_landed() -> None:
     # The committer's write is held; it is let through once close has returned, or after
     # 0.3 s: a close that does not wait for the committer returns with the write unlanded

@@ -79,6 +79,22 @@ def test_deferred_rows_are_served_from_the_clone_then_flushed_at_finish() -> Non
         assert cache.stats().device_bytes == 0 and cache.stats().deferred_open == 0
 
 
+def test_a_deferred_record_over_steps_where_its_request_was_not_last_serves_each_slot_its_own_row() -> None:
+    # a comes before x in both steps; b then hits a's two blocks while a is still running: its
+    # codes come from a's clones, each slot's row found among a's own rows of both steps.
+    with small_cache(policy=DEFERRED) as cache:
+        new = [NewRequest("a", [0, 1]), NewRequest("x", [5])]
+        cache.discard(save(cache, [("a", [0, 1], 0, 4, 1), ("x", [5], 0, 2, 9)], new=new))
+        cache.discard(save(cache, [("a", [0, 1], 4, 4, 1), ("x", [5], 2, 1, 9)]))
+        step = save(cache, [("b", [0, 1, 2], 8, 1, 2)], new=[NewRequest("b", [0, 1, 2], 8)])
+        check(cache.materialize(step, ["b"]), "b", (1, 0, 8), (2, 8, 1))
+        # (and the same rows from the pool once a's record is written at its finish)
+        cache.discard(save(cache, [("x", [5], 3, 1, 9)], finished=["a", "b"]))
+        cache.flush()
+        step = save(cache, [("d", [0, 1, 3], 8, 1, 4)], new=[NewRequest("d", [0, 1, 3], 8)])
+        check(cache.materialize(step, ["d"]), "d", (1, 0, 8), (4, 8, 1))
+
+
 def test_the_budget_flushes_the_oldest_deferred_request_first() -> None:
     step_bytes = 4 * 2 * 8  # 4 rows of int64 (2,)
     # (room for two steps and a half: a third step's rows must not fit, half of them would)

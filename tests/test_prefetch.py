@@ -483,6 +483,50 @@ def test_a_consumer_that_finds_its_prefetch_running_waits_for_its_rows() -> None
         assert torch.equal(got.rows["hidden"][:4], rows(1, 0, 4))
 
 
+class _GoOnWaits:
+    """A job's end-of-run lock that sets ``go`` once ``consumers`` consumers wait on it at once."""
+
+    def __init__(self, lock, go: threading.Event, consumers: int) -> None:
+        self._lock, self._go, self._left, self._count = lock, go, consumers, threading.Lock()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        with self._count:
+            self._left -= 1
+            if self._left == 0:
+                self._go.set()
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+
+def test_every_consumer_that_finds_the_prefetch_running_gets_its_rows() -> None:
+    # b's and c's hits are gathered by one job; two threads (as two materializing threads would)
+    # ask for their rows while it runs and both wait for it: the first that wakes must let the
+    # other wake too, not leave it to give the job up at its timeout.
+    with small_cache(prefetch_hits=True) as cache:
+        sid = step(cache, [NewRequest("a", [0, 1])], [("a", [0, 1], 0, 8, 1)])
+        cache.materialize(sid, ["a"])
+        cache.flush()
+        started, go = threading.Event(), threading.Event()
+        pool = _HeldPool(cache._pool, started, go)
+        planned = [("b", slots_of([0], 0, 4, BS), 0), ("c", slots_of([0, 1], 4, 4, BS), 0)]
+        job = PrefetchJob(planned, cache._prefetch.specs, cache._ledger, pool, BS)
+        job._running = _GoOnWaits(job._running, go, consumers=2)  # (the gather goes on once both wait)
+        runner = threading.Thread(target=job.run)
+        runner.start()
+        assert started.wait(5)
+        got: dict[int, object] = {}
+        consumers = [threading.Thread(target=lambda i=i: got.update({i: job.result(i, 5.0)})) for i in (0, 1)]
+        for consumer in consumers:
+            consumer.start()
+        for thread in (*consumers, runner):
+            thread.join(10)
+        assert got[0] is not None and got[1] is not None, "a consumer waiting for a running prefetch gave it up"
+        assert torch.equal(got[0].rows["hidden"][:4], rows(1, 0, 4))
+        assert torch.equal(got[1].rows["hidden"][:4], rows(1, 4, 4))
+
+
 def test_writes_queued_while_a_side_job_runs_go_before_the_next_job() -> None:
     tasks = WriteTasks()
     first, second = tasks.create(), tasks.create()
