@@ -67,6 +67,18 @@ def test_pool_writes_equal_an_indexed_scatter(
     assert torch.equal(pool.read("k", at), want[at])
 
 
+@pytest.mark.parametrize(
+    ("shape", "want"), [((0, 64), (0, 256)), ((0, 4, 8), (0, 128)), ((3, 0), (3, 0)), ((5, 2, 3), (5, 24))]
+)
+def test_the_byte_view_of_no_rows_or_empty_rows_is_an_empty_array_of_that_shape(shape, want) -> None:
+    rows = torch.zeros(shape, dtype=torch.float32)
+    assert row_bytes_view(rows).shape == want
+    if shape[0] == 0:  # (rows of no bytes never reach the scatter: the writer skips their key)
+        pool = np.ones((8, want[1]), np.uint8)
+        scatter_rows(pool, row_bytes_view(rows), np.arange(0))
+        assert pool.all(), "no rows, nothing written"
+
+
 def test_rows_that_are_views_or_of_another_dtype_are_written_like_index_copy() -> None:
     pool = HostPool(64)
     pool.ensure(KeySpec("k", (4, 8), torch.float32, 0))

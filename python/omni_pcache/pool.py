@@ -9,6 +9,7 @@ engine's slot ids. Single writer: whichever thread holds the committer's write l
 from __future__ import annotations
 
 import logging
+import math
 import threading
 
 import numpy as np
@@ -23,8 +24,9 @@ logger = logging.getLogger("omni_pcache")
 
 def row_bytes_view(tensor: torch.Tensor) -> np.ndarray:
     """A contiguous CPU tensor of ``n`` rows as an ``(n, row_bytes)`` uint8 numpy array sharing
-    its memory (how `scatter_rows` sees rows of any dtype, bf16 included)."""
-    return tensor.reshape(tensor.shape[0], -1).view(torch.uint8).numpy()
+    its memory (how `scatter_rows` sees rows of any dtype, bf16 included). No rows, or rows of
+    no elements, give an empty array of that shape (``reshape(n, -1)`` cannot size either)."""
+    return tensor.reshape(tensor.shape[0], math.prod(tensor.shape[1:])).view(torch.uint8).numpy()
 
 
 class HostPool:
