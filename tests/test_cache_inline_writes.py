@@ -222,6 +222,16 @@ def test_padded_strided_and_complex_rows_are_saved_whole() -> None:
         assert torch.equal(out.hidden["t"], transposed) and out.hidden["t"].is_contiguous()
 
 
+def test_rows_numpy_refuses_to_show_are_declined_not_raised() -> None:
+    # numpy_rows declines (None: the save goes through the page) what tensor.numpy() refuses:
+    # rows that need grad, and a contiguous lazily negated view (the imaginary part of a conjugate)
+    assert numpy_rows(torch.ones(3, 2, requires_grad=True)) is None
+    negated = torch.complex(torch.ones(1, 1), torch.ones(1, 1)).conj().imag
+    assert negated.is_neg() and negated.is_contiguous()
+    assert numpy_rows(negated) is None
+    assert numpy_rows(negated.resolve_neg()).tolist() == [[-1.0]]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.bool], ids=str)
 def test_small_steps_of_dtypes_numpy_has_no_name_for_are_handed_out_without_a_copy(monkeypatch, dtype) -> None:
     # (bf16 rows are read natively as 16-bit ints, bools as bytes: still the step's own copies)

@@ -259,6 +259,7 @@ class Span(NamedTuple):
         # a single str is iterable: its characters must not be read as the key names
         ({"token_keys": "codes"}, "CachePolicy.token_keys must be a collection of key names, got the single 'codes'"),
         ({"deferred_keys": "codes"}, "CachePolicy.deferred_keys must be a collection of key names, got the single"),
+        ({"token_keys": b"codes"}, "CachePolicy.token_keys must be a collection of key names, got the single b'codes'"),
         ({"token_keys": 5}, "CachePolicy.token_keys must be a collection of key names, got 5"),
         ({"token_keys": {"codes", 7}}, r"CachePolicy.token_keys holds key names \(str\), got 7"),
         ({"cache_hidden": "no"}, "CachePolicy.cache_hidden must be a bool, got 'no'"),
@@ -276,6 +277,15 @@ class Span(NamedTuple):
 def test_a_policy_of_the_wrong_shape_is_refused(kwargs, message) -> None:
     with pytest.raises(ConfigError, match=message):
         CachePolicy(**kwargs)
+
+
+def test_a_policy_takes_any_collection_of_key_names_and_keeps_them_frozen() -> None:
+    # (a list or a generator of names is as good as a frozenset; the policy keeps its own
+    # frozen copy, so it compares equal to one built from frozensets and can be hashed)
+    policy = CachePolicy(token_keys=["codes", "codes"], deferred_keys=(k for k in ["codes"]))
+    assert policy.token_keys == frozenset({"codes"}) and isinstance(policy.token_keys, frozenset)
+    assert policy == CachePolicy(token_keys=frozenset({"codes"}), deferred_keys=frozenset({"codes"}))
+    assert {policy: 1}[CachePolicy(token_keys={"codes"}, deferred_keys={"codes"})] == 1
 
 
 @pytest.mark.parametrize("token_keys", [None, frozenset({"codes"})], ids=["discovered", "named"])
@@ -299,6 +309,24 @@ def test_deferred_hidden_states_are_served_from_their_clone_then_the_pool(token_
         assert torch.equal(cache.materialize(sid, ["c"]).hidden["c"], hidden[:4])
         stats = cache.stats()
         assert (stats.deferred_open, stats.device_bytes, stats.tasks_live) == (0, 0, 0), stats
+
+
+def test_a_deferred_key_is_listed_from_its_first_save_and_holds_no_staging_page() -> None:
+    # bytes_written lists every key the cache has seen, at 0 until written (a deferred key's
+    # rows are written when its request finishes); only immediate keys have staging pages.
+    policy = CachePolicy(token_keys={"codes"}, deferred_keys={"hidden"})
+    with small_cache(policy=policy) as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        sid = cache.save(torch.randn(6, 3), {"codes": torch.arange(6)}, StepBatch(["a"], [6], np.arange(6)))
+        cache.materialize(sid, ["a"])
+        stats = cache.stats()
+        assert stats.bytes_written["hidden"] == 0 and stats.deferred_open == 1, stats
+        assert set(stats.pool_bytes) == {"hidden", "codes"} and set(stats.staging_bytes) == {"codes"}, stats
+        cache.begin_step(StepEvents(finished=["a"]))
+        cache.flush()
+        stats = cache.stats()
+        assert stats.bytes_written == {"hidden": 6 * 3 * 4, "codes": 6 * 8} and set(stats.staging_bytes) == {"codes"}
+        assert (stats.deferred_open, stats.tasks_live, stats.requests_live) == (0, 0, 0), stats
 
 
 def test_a_leftover_that_requires_grad_is_snapshotted_out_of_the_graph() -> None:

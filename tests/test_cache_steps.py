@@ -513,6 +513,19 @@ def test_bad_config_raises_config_error() -> None:
         CacheConfig(num_blocks=1, block_size=16, claim_timeout_s=-1.0)
 
 
+def test_every_size_and_the_prefetch_switch_are_checked() -> None:
+    # (a page of 0 rows or a copy chunk of 0 bytes was a typo the first save would trip on; a
+    # prefetch_hits of "no" is truthy and would have turned prefetching on)
+    for name in ("block_size", "staging_capacity_tokens", "copy_chunk_bytes"):
+        with pytest.raises(ConfigError, match=f"CacheConfig.{name} must be a positive int, got 0"):
+            CacheConfig(**{"num_blocks": 1, "block_size": 16, name: 0})
+    for value in ("no", 1, 0.0):
+        with pytest.raises(ConfigError, match=f"CacheConfig.prefetch_hits must be None, True or False, got {value!r}"):
+            CacheConfig(num_blocks=1, block_size=16, prefetch_hits=value)
+    for value in (None, True, False):
+        assert CacheConfig(num_blocks=1, block_size=16, prefetch_hits=value).prefetch_hits is value
+
+
 def test_closed_cache_refuses_calls_and_close_is_idempotent() -> None:
     cache = small_cache()
     cache.close()

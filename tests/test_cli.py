@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -25,6 +26,44 @@ def test_demo_json_passes_on_a_small_run(capsys: pytest.CaptureFixture[str]) -> 
     assert summary["requests"] == 24 and summary["rows_checked"] > 0
     assert summary["tokens_computed"] < summary["tokens_computed_reference"]
     assert summary["mismatches"] == [] and summary["max_abs_diff"] == 0.0
+
+
+def test_demo_options_reach_the_runs_and_the_summary_reports_the_cached_one(monkeypatch, capsys) -> None:
+    # Each option reaches the engine; the reference run differs only in prefix caching off (and
+    # no aborts); the prefix-hash model is compared exactly; the summary is the cached run's.
+    from omni_pcache.engine import Engine
+
+    runs, atols = [], []
+
+    class Recorded(Engine):
+        def run(self, requests, progress=None):
+            runs.append((self.config, requests, super().run(requests, progress)))
+            return runs[-1][2]
+
+    real_compare = cli.compare
+    monkeypatch.setattr(cli, "Engine", Recorded)
+    monkeypatch.setattr(
+        cli, "compare", lambda cached, ref, atol: (atols.append(atol), real_compare(cached, ref, atol))[1]
+    )
+    argv = ["demo", "--requests", "8", "--num-blocks", "24", "--block-size", "16", "--seed", "5"]
+    argv += ["--abort-rate", "0.5", "--model", "prefix-hash", "--output-thread", "--json"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    (config, requests, cached), (ref_config, ref_requests, _) = runs
+    assert (config.num_blocks, config.block_size, config.seed, config.model) == (24, 16, 5, "prefix-hash")
+    assert config.output_thread and config.enable_prefix_caching and atols == [0.0]
+    assert ref_config == replace(config, enable_prefix_caching=False)
+    assert any(r.abort_step is not None for r in requests) and all(r.abort_step is None for r in ref_requests)
+    aborted = sum(1 for r in cached.requests.values() if r.status.value == "aborted")
+    prompt_tokens = sum(len(r.prompt) for r in cached.requests.values())
+    assert summary["aborted"] == aborted > 0 and (summary["seed"], summary["requests"]) == (5, 8)
+    assert summary["prefix_hit_rate"] == cached.hit_tokens / prompt_tokens > 0
+
+
+def test_demo_defaults_are_the_documented_ones() -> None:
+    args = cli.build_parser().parse_args(["demo"])
+    assert (args.workload, args.seed, args.requests, args.block_size, args.num_blocks) == ("mixed", 0, 120, 16, 512)
+    assert (args.abort_rate, args.model, args.output_thread, args.json) == (0.05, "transformer", False, False)
 
 
 def test_demo_table_shows_the_verdict() -> None:
@@ -121,6 +160,22 @@ def test_demo_table_lists_the_mismatches_of_a_failing_run(monkeypatch, capsys) -
     assert "mismatch r1: row 3 differs" in out and "mismatch r2: 2 leftovers unequal" in out
     assert "FAIL: full-sequence outputs differ from the reference" in out
     assert "(0 aborted)" in out  # (--abort-rate 0 reached the workload)
+
+
+def test_demo_json_lists_the_first_20_mismatches(monkeypatch, capsys) -> None:
+    from omni_pcache.engine import compare as compare_module
+
+    real = compare_module.compare
+    wrong = [f"r{i}: row 0 differs" for i in range(25)]
+
+    def wrong_rows(cached, reference, atol):
+        result = real(cached, reference, atol)
+        result.mismatches = list(wrong)
+        return result
+
+    monkeypatch.setattr("omni_pcache.cli.compare", wrong_rows)
+    assert main(["demo", "--requests", "6", "--model", "prefix-hash", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["mismatches"] == wrong[:20]
 
 
 def exit_code(argv: list[str]) -> int:

@@ -204,6 +204,20 @@ def test_rows_captured_from_a_deferred_record_still_in_transit_are_kept_from_its
         check(cache.materialize(late, ["c"]), "c", (3, 0, 4), (4, 4, 1))
 
 
+def test_a_request_resumed_without_a_computed_count_recomputes_from_position_0() -> None:
+    # (ResumedRequest's num_computed_tokens defaults to 0) a's consumer got positions 0-5; a is
+    # resumed on other blocks and recomputes 0-6: only position 6 is new to its consumer.
+    with small_cache() as cache:
+        first = save(cache, [("a", [0, 1], 0, 6, 1)], new=[NewRequest("a", [0, 1])])
+        check(cache.materialize(first, ["a"]), "a", (1, 0, 6))
+        again = save(cache, [("a", [2, 3], 0, 7, 3)], resumed=[ResumedRequest("a", [2, 3])])
+        check(cache.materialize(again, ["a"]), "a", (3, 6, 1))
+        cache.begin_step(StepEvents(finished=["a"]))
+        cache.flush()
+        stats = cache.stats()
+        assert (stats.requests_live, stats.tasks_live, stats.steps_outstanding) == (0, 0, []), stats
+
+
 def fill_the_budget(cache, write_batch) -> None:
     """Saves a's step, whose rows of "codes" fill a budget of one step, with the committer's
     batch writes replaced by ``write_batch(records, write)`` (``write``: the real one), which

@@ -26,7 +26,9 @@ from omni_pcache import (
     CachePolicy,
     ConfigError,
     InvalidInputError,
+    NewRequest,
     PrefixCache,
+    StepBatch,
     StepEvents,
     StepIdError,
     WriteFailedError,
@@ -37,6 +39,7 @@ from omni_pcache.vllm import (
     PrefixCacheRunnerMixin,
     build_cache,
     cache_config_from_vllm,
+    is_output_rank,
     slot_mapping,
     step_batch,
     step_events,
@@ -693,6 +696,22 @@ def test_only_the_output_rank_gets_a_cache() -> None:
     for last, tp in [(False, 0), (True, 1), (False, 3)]:
         with build_cache(config, policy, is_last_pipeline_stage=last, tensor_parallel_rank=tp) as noop:
             assert isinstance(noop, NoOpCache) and noop.config is config and noop.policy is policy
+
+
+def test_the_output_ranks_cache_keeps_its_policy_and_the_rank_check_is_a_bool() -> None:
+    config = CacheConfig(num_blocks=8, block_size=4, staging_capacity_tokens=16)
+    policy = CachePolicy(cache_hidden=False, token_keys=frozenset({"codes"}))
+    with build_cache(config, policy, is_last_pipeline_stage=True, tensor_parallel_rank=0) as cache:
+        assert isinstance(cache, PrefixCache) and cache.config is config and cache.policy is policy
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        codes = torch.arange(3)
+        out = cache.materialize(
+            cache.save(torch.ones(3, 2), {"codes": codes}, StepBatch(["a"], [3], np.arange(3))), ["a"]
+        )
+        assert out.hidden is None and torch.equal(out.mm["codes"]["a"], codes)  # (no hidden states: cache_hidden=False)
+    # (a bool, whatever the stage flag was given as)
+    assert is_output_rank(is_last_pipeline_stage=0, tensor_parallel_rank=0) is False
+    assert is_output_rank(is_last_pipeline_stage=1, tensor_parallel_rank=0) is True
 
 
 @pytest.mark.parametrize(
