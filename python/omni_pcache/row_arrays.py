@@ -28,9 +28,11 @@ def numpy_readable(dtype: torch.dtype) -> bool:
 def numpy_rows(tensor: torch.Tensor) -> np.ndarray | None:
     """A contiguous CPU tensor as a numpy array sharing its memory, in a dtype the native step
     write reads (`_native.write_step_now`: the rows' bytes, whatever they hold); ``None`` for one
-    it cannot take as it is (not contiguous, complex, needing grad, a lazily negated view). One
-    torch call for the usual dtypes (two for 16-bit floats and bools): cheaper after a forward
-    than the uint8 view of `pool.row_bytes_view`."""
+    it cannot take as it is (not contiguous, complex, a lazily negated view, or needing grad
+    where its dtype is read as it is; the integer view of a 16-bit float or bool tensor drops
+    the grad and shows the same bytes). One torch call for the usual dtypes (two for 16-bit
+    floats and bools): cheaper after a forward than the uint8 view of `pool.row_bytes_view`.
+    Its callers pass rows without grad (`KeyRegistry.classify` detaches them)."""
     if tensor.dtype not in _NUMPY_AS_IS:
         view_as = _SAME_WIDTH_INT.get(tensor.element_size())
         if view_as is None or tensor.is_complex():
