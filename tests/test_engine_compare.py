@@ -13,7 +13,7 @@ import torch
 from omni_pcache.engine import Engine, EngineConfig, make_workload
 from omni_pcache.engine.compare import compare
 from omni_pcache.engine.engine import ROW_INFO
-from omni_pcache.engine.model import ForwardBatch, PrefixHashModel
+from omni_pcache.engine.model import ForwardBatch, PrefixHashModel, TinyTransformer
 from omni_pcache.engine.request import Status
 
 CONFIG = EngineConfig(num_blocks=512, model="prefix-hash", seed=3)
@@ -270,3 +270,111 @@ def test_steps_consumed_three_late_keep_three_ids_outstanding() -> None:
     assert cached.cache_stats is not None and cached.cache_stats.steps_outstanding == []
     with pytest.raises(ValueError, match="consume_lag must be from 0 to the cache's staging_depth - 1, got 4"):
         Engine(replace(CONFIG, consume_lag=4))
+
+
+# ---- checks a second mutation audit found untested ----------------------------------------------
+
+
+@pytest.mark.parametrize("lag", [1, 3])
+def test_each_step_is_materialized_after_consume_lag_later_saves(lag) -> None:
+    engine = Engine(replace(CONFIG, consume_lag=lag))
+    log: list[tuple[str, int]] = []
+    save, materialize = engine.cache.save, engine.cache.materialize
+
+    def logged_save(*args):
+        step_id = save(*args)
+        log.append(("save", step_id))
+        return step_id
+
+    def logged_materialize(step_id, req_ids):
+        log.append(("materialize", step_id))
+        return materialize(step_id, req_ids)
+
+    engine.cache.save, engine.cache.materialize = logged_save, logged_materialize
+    engine.run(make_workload("chat", 10, 0))
+    saves = [step_id for call, step_id in log if call == "save"]
+    assert [step_id for call, step_id in log if call == "materialize"] == saves
+    saved_before = [
+        sum(call == "save" for call, _ in log[:i]) for i, (call, _) in enumerate(log) if call == "materialize"
+    ]
+    assert saved_before == [min(k + 1 + lag, len(saves)) for k in range(len(saves))]
+
+
+def test_a_leftover_off_the_host_is_counted_and_fails_the_run() -> None:
+    cached, reference = runs_with_altered_leftover(
+        "step_info", lambda info: {**info, "on_device": torch.empty(1, device="meta")}
+    )
+    assert all(o.leftover_off_host == o.leftover_seen > 0 for o in cached.outputs.values())
+    cached, reference = runs()
+    req_id, out = next(iter(cached.outputs.items()))
+    out.leftover_off_host = 1  # (every leftover equal to the model's)
+    assert compare(cached, reference, 0.0).mismatches == [
+        f"{req_id}: 0 leftovers unequal to the model's, 1 not on the host (of {out.leftover_seen})"
+    ]
+
+
+def test_a_diff_of_exactly_atol_passes() -> None:
+    cached, reference = runs()
+    out = next(o for o in cached.outputs.values() if o.hidden[0].shape[0] > 0)
+    out.hidden[0] = out.hidden[0] + 0.25  # (exact: the prefix-hash rows are multiples of 2**-16 below 1)
+    assert compare(cached, reference, 0.25).ok and not compare(cached, reference, 0.2).ok
+
+
+def test_proj_rows_short_of_the_hidden_rows_fail_the_run() -> None:
+    cached, reference = runs()
+    req_id, out = next((r, o) for r, o in cached.outputs.items() if sum(p.shape[0] for p in o.proj) > 2)
+    hidden, proj = out.rows()
+    out.hidden, out.proj = [hidden], [proj[:-1]]
+    [line] = compare(cached, reference, 0.0).mismatches
+    assert line.startswith(f"{req_id}: ") and "proj rows" in line
+
+
+def test_an_aborted_request_whose_saved_steps_covered_rows_must_have_returned_them() -> None:
+    cached, reference = runs(ABORTING, "mixed", 60, 0.3)
+    req_id = next(r for r, q in cached.requests.items() if q.status is Status.ABORTED and q.saved_upto > 0)
+    del cached.outputs[req_id]
+    assert compare(cached, reference, 0.0).mismatches == [f"{req_id}: aborted but no rows were returned"]
+
+
+def test_a_request_without_reference_rows_fails_the_run() -> None:
+    cached, reference = runs()
+    req_id = next(iter(cached.requests))
+    del reference.outputs[req_id]
+    assert compare(cached, reference, 0.0).mismatches == [f"{req_id}: no reference rows"]
+
+
+def test_a_run_cut_short_names_every_request_left_running_or_waiting() -> None:
+    cached = Engine(replace(CONFIG, max_steps=3)).run(make_workload("chat", 30, CONFIG.seed))
+    reference = Engine(replace(CONFIG, enable_prefix_caching=False)).run(make_workload("chat", 30, CONFIG.seed))
+    left = {r: q.status for r, q in cached.requests.items() if not q.is_done}
+    assert Status.RUNNING in left.values() and Status.WAITING in left.values()
+    cut = {m.split(":")[0] for m in compare(cached, reference, 0.0).mismatches if "neither finished nor aborted" in m}
+    assert cut == set(left)
+
+
+def test_requests_checked_counts_every_request() -> None:
+    cached, reference = runs(ABORTING, "mixed", 60, 0.3)
+    # (every request that returned rows, aborted ones included)
+    assert any(q.status is Status.ABORTED for r, q in cached.requests.items() if r in cached.outputs)
+    assert compare(cached, reference, 0.0).requests_checked == len(cached.outputs) > 0
+
+
+def test_the_first_bad_position_is_the_first_row_that_differs() -> None:
+    cached, reference = runs()
+    req_id, out = next((r, o) for r, o in cached.outputs.items() if sum(h.shape[0] for h in o.hidden) > 6)
+    hidden, proj = out.rows()
+    hidden[[2, 5], 0] += 1
+    out.hidden, out.proj = [hidden], [proj]
+    [line] = compare(cached, reference, 0.0).mismatches
+    assert line.startswith(f"{req_id}: ") and line.endswith("first bad position 2)")
+
+
+def test_each_steps_leftover_holds_its_batchs_row_counts() -> None:
+    # (what tells one step's leftover from another's: a leftover handed to the wrong step shows)
+    slots = np.array([0, 1, 2, 16, 17, 18, 19], dtype=np.int64)
+    batch = ForwardBatch(
+        torch.arange(1, 8), torch.tensor([0, 1, 2, 0, 1, 2, 3]), slots, [(0, 3, [0], 3), (3, 4, [1], 4)]
+    )
+    for model in (PrefixHashModel(64, 16), TinyTransformer(64, 16)):
+        info = model.forward(batch).mm["step_info"]
+        assert info["num_requests"] == 2 and info["rows_per_request"].tolist() == [3, 4]

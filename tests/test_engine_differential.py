@@ -16,6 +16,7 @@ import pytest
 
 from omni_pcache.engine import Engine, EngineConfig, make_workload
 from omni_pcache.engine.compare import compare
+from omni_pcache.engine.request import Status
 from omni_pcache.prefetch import HitPrefetcher
 
 SOAK_SEEDS = int(os.environ.get("OMNI_PCACHE_SOAK_SEEDS", "0"))
@@ -285,3 +286,19 @@ def test_soak() -> None:
         requests += result.requests_checked
         rows += result.rows_checked
     print(f"\nsoak: {SOAK_SEEDS} seeds, {requests} requests and {rows} rows checked, 0 mismatches")
+
+
+def test_a_request_aborted_while_it_recomputes_after_a_preemption_is_checked_on_every_row_it_got() -> None:
+    # Here mi5's steps covered 32 positions; preempted, it resumed from position 0 (its blocks
+    # reused meanwhile) and was aborted at 16: its consumer holds all 32 rows, and compare must
+    # expect them all (what the request's saved steps covered never goes back on a resume).
+    config = EngineConfig(num_blocks=20, max_num_batched_tokens=128, long_prefill_tokens=16, model="prefix-hash")
+    cached, reference = run_pair(config, "mixed", 40, 4, 0.3)
+    behind = [
+        r
+        for r, q in cached.requests.items()
+        if q.status is Status.ABORTED and q.num_preemptions and q.num_computed < q.saved_upto
+    ]
+    assert behind, "the run must abort a request before it recomputed what its steps covered"
+    result = compare(cached, reference, 0.0)
+    assert result.ok, "\n".join(result.mismatches[:10])

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from omni_pcache.engine import Engine, EngineConfig, make_workload
 from omni_pcache.engine.block_pool import BlockPool
 from omni_pcache.engine.compare import compare
+from omni_pcache.engine.engine import EngineCapacityError
 from omni_pcache.engine.kv_manager import KVCacheManager
 from omni_pcache.engine.request import Request, Status
 from omni_pcache.engine.scheduler import Scheduler
@@ -335,3 +338,76 @@ def test_a_preempted_request_goes_back_to_the_front_of_the_queue() -> None:
             return
         sched.update(s)
     raise AssertionError("nothing was preempted")
+
+
+# ---- rules a second mutation audit found untested -----------------------------------------------
+
+
+def test_hit_tokens_count_the_rematch_of_resumed_requests_too() -> None:
+    # (as vLLM's prefix-cache stats count every admission's hit: the demo's prefix hit rate)
+    sched, _, _ = two_requests_for_a_pool_of_one()
+    hits = resumed_hits = 0
+    for step in range(40):
+        s = sched.schedule(step)
+        hits += sum(n for _, _, n in s.new + s.resumed)
+        resumed_hits += sum(n for _, _, n in s.resumed)
+        sched.update(s)
+        if not sched.has_work:
+            break
+    assert resumed_hits > 0 and sched.num_hit_tokens == hits
+
+
+def test_a_second_abort_of_an_aborted_request_changes_nothing() -> None:
+    # (a workload abort may come after `abort_preempted` already aborted the request)
+    kv = KVCacheManager(8, BS, enable_prefix_caching=True)
+    sched = Scheduler(kv, max_num_batched_tokens=64, max_num_running=8)
+    a = req("a", list(range(6)))
+    sched.add(a)
+    sched.update(sched.schedule(0))
+    sched.abort(a)
+    sched.abort(a)
+    assert a.status is Status.ABORTED and sched.schedule(1).finished == ["a"]
+    assert sched.schedule(2).finished == []
+
+
+def test_a_finish_reported_in_a_step_that_schedules_nothing_reaches_the_cache() -> None:
+    # a finishes, and the step that reports it schedules nothing (b arrives later): the cache
+    # must still be told, or it holds a live request at the end.
+    def requests() -> list[Request]:
+        return [
+            Request("a", list(range(1, 10)), [5, 6]),
+            Request("b", list(range(20, 30)), [7], arrival_step=12),
+        ]
+
+    config = EngineConfig(num_blocks=16, block_size=4, model="prefix-hash")
+    cached = Engine(config).run(requests())
+    reference = Engine(replace(config, enable_prefix_caching=False)).run(requests())
+    assert cached.steps > 12 and cached.cache_stats.requests_live == 0
+    assert compare(cached, reference, 0.0).ok
+
+
+def test_a_request_the_pool_cannot_hold_is_a_capacity_error() -> None:
+    config = EngineConfig(num_blocks=2, block_size=4, model="prefix-hash", max_steps=200)
+    for cfg in (config, replace(config, enable_prefix_caching=False)):
+        with pytest.raises(EngineCapacityError, match="request a needs 3 KV blocks but the pool has 2"):
+            Engine(cfg).run([req("a", range(10))])
+
+
+def test_a_chat_turn_continues_the_previous_turn_with_its_reply() -> None:
+    # (what makes later turns hit blocks filled during decode)
+    reqs = make_workload("chat", 20, 0)
+    continued = [
+        (a.req_id, b.req_id)
+        for a in reqs
+        for b in reqs
+        if len(b.prompt) > len(a.prompt) + len(a.outputs)
+        and b.prompt[: len(a.prompt) + len(a.outputs)] == a.prompt + a.outputs
+    ]
+    assert len(continued) >= 5, continued
+
+
+def test_an_unknown_workload_or_model_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown workload 'nope'; choose from chat, fewshot, random, mixed"):
+        make_workload("nope", 4, 0)
+    with pytest.raises(ValueError, match="unknown model 'nope'; choose from transformer, prefix-hash"):
+        Engine(EngineConfig(model="nope"))
