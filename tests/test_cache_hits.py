@@ -535,30 +535,23 @@ def test_a_late_read_waits_for_rows_being_kept_aside_and_is_woken_when_they_are(
         cache.discard(saved["sid"])
 
 
-def test_a_late_read_partly_preserved_and_partly_in_flight_counts_each_row_where_it_came_from() -> None:
+@pytest.mark.parametrize("block_0_in_pool", [False, True], ids=["all-in-transit", "block-0-in-pool"])
+def test_a_late_read_partly_preserved_and_partly_in_flight_counts_each_row_where_it_came_from(
+    block_0_in_pool: bool,
+) -> None:
     # As above, but a's write is still in transit when b's read is planned and c reuses block 0:
-    # block 0's rows are kept aside for the read, block 1's come from a's write.
+    # block 0's rows are kept aside for the read, block 1's come from a's write. Or the other
+    # way round: block 0 is in the pool then, and only block 1 in transit; the preserved rows
+    # are the pool's, and what is left is in flight: the counts follow the rows, not their order.
     with small_cache(inline_write_bytes=0) as cache:
-        gate = hold_writes(cache)
-        cache.materialize(run_step(cache, [NewRequest("a", [0, 1])], reqs=[("a", [0, 1], 0, 8, 1)]), ["a"])
-        hit_step = run_step(cache, [NewRequest("b", [0, 1, 2], 8)], reqs=[("b", [0, 1, 2], 8, 1, 2)])
-        cache.discard(run_step(cache, [NewRequest("c", [0])], finished=["a"], reqs=[("c", [0], 0, 4, 3)]))
-        gate.set()
-        expect(cache.materialize(hit_step, ["b"]), "b", [(1, 0, 8), (2, 8, 1)])
-        stats = cache.stats()
-        # (per key: 4 rows of block 0 preserved, 4 of block 1 from a's write; hidden and codes)
-        assert (stats.rows_preserved, stats.rows_in_flight, stats.rows_from_pool) == (8, 8, 0)
-
-
-def test_a_late_read_whose_reused_block_came_from_the_pool_counts_the_rest_as_in_flight() -> None:
-    # The other way round: block 0 is in the pool and block 1 in a's write in transit when b's
-    # read is planned, and block 0 is reused. The preserved rows are the pool's ones, so what
-    # is left to count is block 1, in flight: the counts follow the rows, not their order.
-    with small_cache(inline_write_bytes=0) as cache:
-        cache.materialize(run_step(cache, [NewRequest("a", [0, 1])], reqs=[("a", [0, 1], 0, 4, 1)]), ["a"])
-        cache.flush()
-        gate = hold_writes(cache)
-        cache.materialize(run_step(cache, reqs=[("a", [0, 1], 4, 4, 1)]), ["a"])
+        if block_0_in_pool:
+            cache.materialize(run_step(cache, [NewRequest("a", [0, 1])], reqs=[("a", [0, 1], 0, 4, 1)]), ["a"])
+            cache.flush()
+            gate = hold_writes(cache)
+            cache.materialize(run_step(cache, reqs=[("a", [0, 1], 4, 4, 1)]), ["a"])
+        else:
+            gate = hold_writes(cache)
+            cache.materialize(run_step(cache, [NewRequest("a", [0, 1])], reqs=[("a", [0, 1], 0, 8, 1)]), ["a"])
         hit_step = run_step(cache, [NewRequest("b", [0, 1, 2], 8)], reqs=[("b", [0, 1, 2], 8, 1, 2)])
         cache.discard(run_step(cache, [NewRequest("c", [0])], finished=["a"], reqs=[("c", [0], 0, 4, 3)]))
         gate.set()

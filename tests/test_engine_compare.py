@@ -242,11 +242,9 @@ def test_returned_rows_that_share_the_caches_storage_fail_the_run(monkeypatch, s
     assert result.ok is not scribble, result.mismatches[:3]
 
 
-def test_steps_consumed_at_once_are_materialized_right_after_their_save() -> None:
-    config = EngineConfig(num_blocks=24, max_num_batched_tokens=96, consume_lag=0, inline_write_bytes=0)
-    engine = Engine(replace(config, model="prefix-hash"))
-    assert engine.cache is not None and engine.cache.config.inline_write_bytes == 0
-    log: list[tuple[str, object]] = []
+def logged_calls(engine: Engine) -> list[tuple[str, int]]:
+    """The engine's cache calls from now on, as ("save" or "materialize", step id) in order."""
+    log: list[tuple[str, int]] = []
     save, materialize = engine.cache.save, engine.cache.materialize
 
     def logged_save(*args):
@@ -259,6 +257,14 @@ def test_steps_consumed_at_once_are_materialized_right_after_their_save() -> Non
         return materialize(step_id, req_ids)
 
     engine.cache.save, engine.cache.materialize = logged_save, logged_materialize
+    return log
+
+
+def test_steps_consumed_at_once_are_materialized_right_after_their_save() -> None:
+    config = EngineConfig(num_blocks=24, max_num_batched_tokens=96, consume_lag=0, inline_write_bytes=0)
+    engine = Engine(replace(config, model="prefix-hash"))
+    assert engine.cache is not None and engine.cache.config.inline_write_bytes == 0
+    log = logged_calls(engine)
     engine.run(make_workload("chat", 10, 0))
     saves = [i for i, (call, _) in enumerate(log) if call == "save"]
     assert saves and all(log[i + 1] == ("materialize", log[i][1]) for i in saves), log[:6]
@@ -278,19 +284,7 @@ def test_steps_consumed_three_late_keep_three_ids_outstanding() -> None:
 @pytest.mark.parametrize("lag", [1, 3])
 def test_each_step_is_materialized_after_consume_lag_later_saves(lag) -> None:
     engine = Engine(replace(CONFIG, consume_lag=lag))
-    log: list[tuple[str, int]] = []
-    save, materialize = engine.cache.save, engine.cache.materialize
-
-    def logged_save(*args):
-        step_id = save(*args)
-        log.append(("save", step_id))
-        return step_id
-
-    def logged_materialize(step_id, req_ids):
-        log.append(("materialize", step_id))
-        return materialize(step_id, req_ids)
-
-    engine.cache.save, engine.cache.materialize = logged_save, logged_materialize
+    log = logged_calls(engine)
     engine.run(make_workload("chat", 10, 0))
     saves = [step_id for call, step_id in log if call == "save"]
     assert [step_id for call, step_id in log if call == "materialize"] == saves
