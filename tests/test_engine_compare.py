@@ -337,6 +337,16 @@ def test_a_request_without_reference_rows_fails_the_run() -> None:
     assert compare(cached, reference, 0.0).mismatches == [f"{req_id}: no reference rows"]
 
 
+def test_a_request_the_cached_run_lost_fails_the_run() -> None:
+    cached, reference = runs()
+    req_id = next(iter(cached.requests))
+    del cached.requests[req_id]
+    cached.outputs.pop(req_id, None)
+    assert compare(cached, reference, 0.0).mismatches == [
+        f"1 requests of the reference missing from the cached run: [{req_id!r}]"
+    ]
+
+
 def test_a_run_cut_short_names_every_request_left_running_or_waiting() -> None:
     cached = Engine(replace(CONFIG, max_steps=3)).run(make_workload("chat", 30, CONFIG.seed))
     reference = Engine(replace(CONFIG, enable_prefix_caching=False)).run(make_workload("chat", 30, CONFIG.seed))

@@ -6,7 +6,8 @@ request; for an aborted one, exactly the positions its saved steps covered (the 
 runs every request to the end), in the reference's dtypes. Exact for the prefix-hash model,
 within a tolerance for the transformer. Every leftover returned must have equalled the model's
 and been on the host (counted by the engine when it verifies leftovers), every request must
-have finished or been aborted (a run cut short at ``max_steps`` fails), and the cache must be
+have finished or been aborted (a run cut short at ``max_steps`` fails), every request of the
+reference must be in the cached run (both run one workload), and the cache must be
 idle at the end: every write landed, every staging page, hit read, preserved row and device
 byte released, no step id outstanding and no request still live; and its counters must agree
 with the engine's (hits and misses, hit rows served).
@@ -43,6 +44,9 @@ def compare(cached: EngineResult, reference: EngineResult, atol: float) -> Compa
     if cached.cache_stats is not None:
         result.mismatches.extend(not_idle(cached.cache_stats))
         result.mismatches.extend(miscounted(cached, cached.cache_stats))
+    lost = [req_id for req_id in reference.requests if req_id not in cached.requests]
+    if lost:
+        result.mismatches.append(f"{len(lost)} requests of the reference missing from the cached run: {lost[:5]}")
     for req_id, req in cached.requests.items():
         if req.status not in (Status.FINISHED, Status.ABORTED):
             result.mismatches.append(f"{req_id}: {req.status.value}, neither finished nor aborted (run cut short)")
