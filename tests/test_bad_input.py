@@ -644,10 +644,10 @@ def test_versions_that_are_not_one_contiguous_array_are_a_typed_error(ledger: Le
 @pytest.mark.parametrize(
     ("versions", "described"),
     [
-        ([0, 0, 0, 0], "an object of type list"),
-        (np.zeros(4, np.int64), "a 1-D int64 array"),
-        (np.zeros((2, 2), np.uint64), "a 2-D uint64 array"),
-        (7, "an object of type int"),
+        ([0, 0, 0, 0], "a list"),
+        (np.zeros(4, np.int64), "a 1-D array of dtype int64"),
+        (np.zeros((2, 2), np.uint64), "a 2-D array of dtype uint64"),
+        (7, "an int"),
     ],
 )
 def test_versions_of_another_kind_are_a_typed_error_naming_what_came(ledger: Ledger, versions, described: str) -> None:

@@ -320,7 +320,7 @@ def test_a_step_written_by_its_saver_may_read_its_rows_from_arrays_of_any_numeri
     codes = np.array([[-1, 7], [300, -300], [5, 6]], dtype=np.int16)  # rows of 4 bytes (a bf16 pair's bits)
     pools = np.zeros((16, 8), dtype=np.uint8), np.zeros((16, 4), dtype=np.uint8)
     for bad, why in (
-        (np.zeros((3, 4), dtype=np.float16), "page: rows must be a numpy array of .* got an array of dtype float16"),
+        (np.zeros((3, 4), dtype=np.float16), "page: rows must be a numpy array of .* got a 2-D array of dtype float16"),
         (np.zeros((3, 4, 2), dtype=np.int16)[:, :, 0], "page: rows must be a C-contiguous array"),
         (np.zeros((3, 1), dtype=np.float64), "page rows of 8 bytes into a pool of 4-byte rows"),
         ([1, 2], "page: rows must be a numpy array of .* got a list"),

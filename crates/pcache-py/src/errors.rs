@@ -118,6 +118,26 @@ pub fn invalid_input(message: String) -> PyErr {
     raise("InvalidInputError", message, vec![])
 }
 
+/// What `value` is, for an error message, never its contents (which may be long): `"a 2-D
+/// array of dtype float16"` for a numpy array, else its type's name with an article (`"a list"`,
+/// `"an int"`).
+pub fn describe(value: &Bound<'_, PyAny>) -> String {
+    use numpy::{PyUntypedArray, PyUntypedArrayMethods};
+    if let Ok(array) = value.cast::<PyUntypedArray>() {
+        return format!("a {}-D array of dtype {}", array.ndim(), array.dtype());
+    }
+    let name = value
+        .get_type()
+        .name()
+        .map_or_else(|_| "?".to_owned(), |n| n.to_string());
+    let article = if name.starts_with(['a', 'e', 'i', 'o', 'u']) {
+        "an"
+    } else {
+        "a"
+    };
+    format!("{article} {name}")
+}
+
 /// The repr of a Python value, for an error message (empty if the repr itself raises).
 pub fn repr_of(value: &Bound<'_, PyAny>) -> String {
     value.repr().map(|r| r.to_string()).unwrap_or_default()

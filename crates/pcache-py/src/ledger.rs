@@ -310,7 +310,7 @@ impl Ledger {
         let Some(versions) = crate::convert::readonly_1d::<u64>(versions, "versions")? else {
             return Err(invalid_input(format!(
                 "versions must be a 1-D uint64 array (a prefetch's vouched versions), got {}",
-                describe_array(versions)
+                crate::errors::describe(versions)
             )));
         };
         let versions = versions
@@ -391,22 +391,5 @@ impl Ledger {
             l.num_tasks(),
             l.num_pending_reads()
         )
-    }
-}
-
-/// What `value` is, for an error message: `"a 2-D int64 array"`, else its type's name (never
-/// its contents, which may be long).
-fn describe_array(value: &Bound<'_, PyAny>) -> String {
-    let dims = value.getattr("ndim").and_then(|n| n.extract::<usize>());
-    let dtype = value
-        .getattr("dtype")
-        .and_then(|d| d.str().map(|s| s.to_string()));
-    match (dims, dtype) {
-        (Ok(dims), Ok(dtype)) => format!("a {dims}-D {dtype} array"),
-        _ => value
-            .get_type()
-            .name()
-            .map(|n| format!("an object of type {n}"))
-            .unwrap_or_else(|_| "an object of another type".to_owned()),
     }
 }

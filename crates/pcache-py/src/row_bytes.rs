@@ -3,9 +3,7 @@
 //! (uint8 rows), and a small step's rows straight from the caller's arrays in the dtype they
 //! have (`write_step_now`), so the saving thread needs no uint8 view of them first.
 
-use numpy::{
-    PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArray, PyUntypedArrayMethods,
-};
+use numpy::{PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 /// A borrowed array of one of the element types numpy arrays of a torch tensor have after
@@ -56,17 +54,9 @@ impl<'py> RowBytes<'py> {
             };
         }
         typed!(u8 => U8, f32 => F32, i16 => I16, i64 => I64, i32 => I32, i8 => I8, f64 => F64);
-        let what = match obj.cast::<PyUntypedArray>() {
-            Ok(array) => format!("an array of dtype {}", array.dtype()),
-            Err(_) => format!(
-                "a {}",
-                obj.get_type()
-                    .name()
-                    .map_or_else(|_| "?".into(), |n| n.to_string())
-            ),
-        };
         Err(format!(
-            "rows must be a numpy array of uint8, int8, int16, int32, int64, float32 or float64, got {what}"
+            "rows must be a numpy array of uint8, int8, int16, int32, int64, float32 or float64, got {}",
+            crate::errors::describe(obj)
         ))
     }
 
