@@ -26,7 +26,14 @@ from omni_pcache.stats import CacheStats
 
 @dataclass
 class Comparison:
-    """The outcome of one differential check."""
+    """The outcome of one differential check.
+
+    ``requests_checked``: the requests whose returned rows were compared with the reference's,
+    an aborted request whose saved steps covered no position among them; an aborted request
+    that returned no rows, having saved none, is not counted (nothing of it to compare).
+    ``rows_checked``: the rows compared. ``max_abs_diff``: the largest element-wise difference
+    seen. ``mismatches``: one line per disagreement; the check passes (``ok``) without any.
+    """
 
     requests_checked: int = 0
     rows_checked: int = 0
