@@ -4,8 +4,8 @@ run cold after a forward pass.
 The step is the embedded engine's 0%-hit step (benches/engine.py's ``random`` workload): 16
 new requests x 6 tokens, hidden width 64 fp32 plus one per-token mm key of width 4, on a KV
 cache of 512 blocks of 16; every request finishes at the next step and its block goes to a
-later one. Each step first runs ``--forward-ms`` of torch work that sweeps more memory than the
-CPU caches hold (`save_overhead.busy_forward`), as a forward does, then times on the same
+later one. Each step first runs ``--forward-ms`` of torch work over ~6 MiB, more than a core's
+L2 holds (`save_overhead.busy_forward`), as a forward does, then times on the same
 thread:
 
 - ``cache``: begin_step + save + materialize of the step before (one step late, as the engine

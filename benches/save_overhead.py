@@ -24,8 +24,9 @@ from omni_pcache import CacheConfig, NewRequest, PrefixCache, StepBatch, StepEve
 BLOCK = 16
 
 
-# A layer's worth of activations and weights (~6 MiB): more than the caches hold, as a real
-# forward's working set is.
+# A layer's worth of activations and weights (~6 MiB): more than a core's L2 holds (1 MiB on
+# the project's VM), as a real forward's working set is; less than its 32 MiB L3, which a
+# large model's forward sweeps too.
 _ACTIVATIONS = torch.randn(256, 1024)
 _WEIGHTS = torch.randn(1024, 1024)
 
@@ -33,8 +34,8 @@ _WEIGHTS = torch.randn(1024, 1024)
 def busy_forward(ms: float) -> None:
     """Stands in for the forward pass: torch work that keeps the core busy and releases the
     GIL (as a real forward does), so the committer can run meanwhile, and that sweeps more
-    memory than the caches hold, so the cache's calls after it run cold, as they do after a
-    real forward."""
+    memory than a core's L2 holds (not the L3), so the cache's calls after it run out of L1
+    and L2, as they do after a real forward."""
     end = time.perf_counter() + ms / 1000
     while time.perf_counter() < end:
         torch.mm(_ACTIVATIONS, _WEIGHTS)

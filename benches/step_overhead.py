@@ -26,14 +26,14 @@ the run). The sides take turns going first, from one step size and forward to th
 starting with ``--first``: a second run with the other start measures every row in both orders.
 
 Each step runs as an engine runs it: begin, the forward, save, then materialize on the same
-thread. The forward is ``--forward-ms`` of GIL-releasing torch work that sweeps more memory
-than the caches hold (`save_overhead.busy_forward`; untimed), run at 0 and 5 ms by default:
+thread. The forward is ``--forward-ms`` of GIL-releasing torch work over ~6 MiB, more
+than a core's L2 holds (`save_overhead.busy_forward`; untimed), run at 0 and 5 ms by default:
 during it both sides gather the hits' prefix rows (vLLM-Omni's prefetch thread; omni_pcache's
 committer, with ``CacheConfig.prefetch_hits=True``, what a cache with CUDA outputs turns on by
 itself: the stand-in forward leaves the second core idle, as a GPU forward leaves the host's;
 ``--no-prefetch`` runs ours as a cache with CPU outputs does by default), omni_pcache's
 committer also writes the previous step, and after it both sides' calls run cold, as after a
-real forward.
+real forward (out of L1 and L2; a large model's forward also sweeps the L3).
 ``--malloc-reuse`` reruns the script under glibc settings that reuse freed blocks over 32 MiB
 (`MALLOC_REUSE`), which changes the 8,192-token figures of both sides.
 
@@ -409,9 +409,10 @@ def cold_copy_reference(nbytes: int, repeat: int) -> float:
     """Median seconds of a torch copy of ``nbytes`` between memory no CPU cache holds: each
     copy's source another slice of a buffer past the L3, into one destination touched before
     (no page faults, as materialize's output chunks under 16 MiB find memory glibc reuses), 64
-    MiB written just before each copy, as the forward sweeps the caches. The physical
+    MiB written just before each copy, as a large model's forward sweeps the caches. The physical
     reference of a gather from a pool larger than the caches, which `copy_reference` (the same
-    bytes copied back to back, cache-hot at 512 and 2,048 tokens) is not."""
+    bytes copied back to back, source and destination within the L3 together at 512 tokens)
+    is not."""
     span = max(1, nbytes // 4)
     count = max(4, COLD_SPAN_BYTES // max(1, nbytes) + 1)
     sources = torch.randn(span * count)

@@ -232,7 +232,8 @@ impl Ledger {
         Ok((int_array(py, positions), int_array(py, slots), first))
     }
 
-    /// Commits several tasks in order, stopping at the first error. Returns slots committed.
+    /// Commits several tasks in order (one writer batch): refused as a whole, nothing committed,
+    /// when a task is unknown or listed twice. Returns the slots committed.
     fn commit_many(&self, task_ids: Vec<u64>) -> PyResult<usize> {
         let tasks: Vec<TaskId> = task_ids
             .into_iter()
