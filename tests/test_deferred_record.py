@@ -32,6 +32,18 @@ def record_of_three_steps(budget: DeviceBudget) -> tuple[DeferredRecord, torch.T
     return record, torch.cat(expected), clones
 
 
+def test_a_clone_of_permuted_rows_is_row_major() -> None:
+    """Rows that are a transposed tensor (dense, column-major) are cloned row-major: a clone
+    keeping their strides would make each row range's host copy a contiguous temporary on the
+    device first, outside the device budget."""
+    budget = DeviceBudget(1 << 20)
+    rows = torch.arange(30).reshape(3, 10).t()  # 10 rows of 3, column-major
+    clone = Clone.of(rows, holders=1, budget=budget)
+    assert clone.tensor.is_contiguous() and clone.tensor.stride() == (3, 1)
+    assert torch.equal(clone.rows(2, 7), rows[2:7]) and clone.rows(2, 7).is_contiguous()
+    assert clone.nbytes == rows.numel() * rows.element_size()
+
+
 def test_rows_before_the_write_are_gathered_from_each_chunk_in_the_order_asked() -> None:
     record, expected, _ = record_of_three_steps(DeviceBudget(1 << 20))
     positions = torch.tensor([9, 0, 4, 5, 3, 9, 6], dtype=torch.int64)  # across chunks, unordered, repeated

@@ -137,8 +137,11 @@ class Clone:
     @classmethod
     def of(cls, rows: torch.Tensor, holders: int, budget: DeviceBudget) -> Clone:
         """Clones ``rows`` on their device (the compute stream, after the forward). Other threads
-        read it on other streams, so a CUDA clone records an event they wait before reading."""
-        tensor = rows.detach().clone()
+        read it on other streams, so a CUDA clone records an event they wait before reading. The
+        clone is row-major whatever the rows' strides (a permuted dense tensor's `clone` keeps
+        them): the host copies of its row ranges then need no contiguous temporary on the
+        device, outside the budget."""
+        tensor = rows.detach().clone(memory_format=torch.contiguous_format)
         ready = None
         if tensor.is_cuda:
             ready = host_waited_event()
