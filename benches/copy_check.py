@@ -1,7 +1,10 @@
-"""A small device→host copy check for `just gpu-check`: the cache's save path vs a raw pinned
-non-blocking copy of the same bytes. Prints one line per size and writes
-benches/results/copy_check.json (``--out``), with the machine, device and command. Times are
-medians of wall-clock per step."""
+"""A small device→host copy check for `just gpu-check`: a raw pinned non-blocking copy of a
+bf16 step against the cache's whole step on the same bytes (``save_step_gbps``: begin_step,
+save, its device→host copy, discard, and the committer's pool write awaited by ``flush``, so a
+second, host-side copy is in it), and the engine thread's time in ``save`` alone. For the save
+path's own copy bandwidth see `benches/gpu.py` (CUDA events around its side-stream copies).
+Prints one line per size and writes benches/results/copy_check.json (``--out``), with the
+machine, device and command. Times are medians of wall-clock per step."""
 
 from __future__ import annotations
 
@@ -32,7 +35,8 @@ def median_time(fn, repeat: int = 20) -> float:
 
 
 def measure(tokens: int, width: int = 2048) -> dict[str, float]:
-    """One size: raw pinned copy vs the cache's save path for a bf16 step of ``tokens`` rows."""
+    """One size: raw pinned copy vs the cache's whole step (pool write included) for a bf16 step
+    of ``tokens`` rows, and the median engine-thread time of its ``save`` calls."""
     hidden = torch.randn(tokens, width, dtype=torch.bfloat16, device="cuda")
     nbytes = hidden.numel() * hidden.element_size()
     pinned = torch.empty(tokens, width, dtype=torch.bfloat16, pin_memory=True)
@@ -80,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(row)
         print(
             f"{tokens:>5} tokens: raw pinned copy {row['raw_pinned_copy_gbps']:.1f} GB/s, "
-            f"save step {row['save_step_gbps']:.1f} GB/s, "
+            f"whole save step (pool write included) {row['save_step_gbps']:.1f} GB/s, "
             f"engine-thread save {row['engine_thread_save_us']:.0f} us"
         )
     doc = {
