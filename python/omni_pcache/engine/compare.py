@@ -28,9 +28,10 @@ from omni_pcache.stats import CacheStats
 class Comparison:
     """The outcome of one differential check.
 
-    ``requests_checked``: the requests whose returned rows were compared with the reference's,
-    an aborted request whose saved steps covered no position among them; an aborted request
-    that returned no rows, having saved none, is not counted (nothing of it to compare).
+    ``requests_checked``: the requests whose rows were compared with the reference's, aborted
+    ones included even when their rows cover no position; not counted: an aborted request that
+    got no output at all, having saved nothing, and one whose rows were refused before the
+    comparison (a wrong count or dtype: its mismatch line says so).
     ``rows_checked``: the rows compared. ``max_abs_diff``: the largest element-wise difference
     seen. ``mismatches``: one line per disagreement; the check passes (``ok``) without any.
     """
