@@ -257,3 +257,54 @@ pub(crate) fn check_unique<S: RawSlot>(seen: &mut [u64], runs: &[Run], slots: &[
     }
     verdict
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A claim's check as the ledger makes it: the slots split into runs, then checked
+    /// against `seen` (a bitmap of `seen.len() * 64` slots).
+    fn check(seen: &mut [u64], slots: &[i64]) -> Result<()> {
+        let runs = split_runs(slots, (seen.len() * 64) as u32)?;
+        check_unique(seen, &runs, slots)
+    }
+
+    fn duplicate(result: Result<()>) -> (u32, usize, usize) {
+        match result {
+            Err(Error::DuplicateSlot {
+                slot,
+                first,
+                second,
+            }) => (slot, first, second),
+            other => panic!("expected a duplicate slot, got {other:?}"),
+        }
+    }
+
+    /// Runs of consecutive blocks cross the bitmap's 64-slot words; a repeat of one of their
+    /// slots is found wherever the run starts, and a claim of a few runs in a large bitmap
+    /// (where each run clears its own bits rather than the whole map) leaves it all clear,
+    /// refused or not, so the next claim of the same slots is not taken for a repeat.
+    #[test]
+    fn repeats_within_runs_across_words_are_found_and_the_bitmap_is_left_clear() {
+        let mut seen = vec![0u64; 4096 / 64];
+        let clear = |seen: &[u64]| seen.iter().all(|&w| w == 0);
+        // one run over two words (48..80), then a repeat of its slot 70
+        let slots: Vec<i64> = (48..80).chain([70]).collect();
+        assert_eq!(duplicate(check(&mut seen, &slots)), (70, 22, 32));
+        assert!(clear(&seen), "left clear after a refusal");
+        // a run of a word's length starting at 66 (words 1 and 2), then its last slot again
+        let slots: Vec<i64> = (66..130).chain([129]).collect();
+        assert_eq!(duplicate(check(&mut seen, &slots)), (129, 63, 64));
+        assert!(clear(&seen));
+        // a run covering word 1 whole (60..140), then a repeat inside that word
+        let slots: Vec<i64> = (60..140).chain([100]).collect();
+        assert_eq!(duplicate(check(&mut seen, &slots)), (100, 40, 80));
+        assert!(clear(&seen));
+        // no repeat: accepted, and accepted again, the bitmap clear after each
+        let slots: Vec<i64> = (48..80).chain(200..216).chain([3]).collect();
+        for _ in 0..2 {
+            check(&mut seen, &slots).expect("distinct slots");
+            assert!(clear(&seen), "left clear after an accepted claim");
+        }
+    }
+}
