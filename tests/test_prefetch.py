@@ -451,38 +451,6 @@ class _HeldPool:
         return self._pool.byte_rows(key)
 
 
-class _GoOnWait:
-    """A job's end-of-run lock that sets ``go`` as a consumer starts to wait on it."""
-
-    def __init__(self, lock, go: threading.Event) -> None:
-        self._lock, self._go = lock, go
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        self._go.set()
-        return self._lock.acquire(blocking, timeout)
-
-    def release(self) -> None:
-        self._lock.release()
-
-
-def test_a_consumer_that_finds_its_prefetch_running_waits_for_its_rows() -> None:
-    with small_cache(prefetch_hits=True) as cache:
-        sid = step(cache, [NewRequest("a", [0])], [("a", [0], 0, 4, 1)])
-        cache.materialize(sid, ["a"])
-        cache.flush()
-        started, go = threading.Event(), threading.Event()
-        pool = _HeldPool(cache._pool, started, go)
-        job = PrefetchJob([("b", slots_of([0], 0, 4, BS), 0)], cache._prefetch.specs, cache._ledger, pool, BS)
-        job._running = _GoOnWait(job._running, go)  # (the gather goes on once the consumer waits for it)
-        runner = threading.Thread(target=job.run)
-        runner.start()
-        assert started.wait(5)
-        got = job.result(0, 5.0)
-        runner.join(5)
-        assert got is not None, "a running prefetch was given up"
-        assert torch.equal(got.rows["hidden"][:4], rows(1, 0, 4))
-
-
 class _GoOnWaits:
     """A job's end-of-run lock that sets ``go`` once ``consumers`` consumers wait on it at once."""
 
@@ -498,6 +466,24 @@ class _GoOnWaits:
 
     def release(self) -> None:
         self._lock.release()
+
+
+def test_a_consumer_that_finds_its_prefetch_running_waits_for_its_rows() -> None:
+    with small_cache(prefetch_hits=True) as cache:
+        sid = step(cache, [NewRequest("a", [0])], [("a", [0], 0, 4, 1)])
+        cache.materialize(sid, ["a"])
+        cache.flush()
+        started, go = threading.Event(), threading.Event()
+        pool = _HeldPool(cache._pool, started, go)
+        job = PrefetchJob([("b", slots_of([0], 0, 4, BS), 0)], cache._prefetch.specs, cache._ledger, pool, BS)
+        job._running = _GoOnWaits(job._running, go, 1)  # (the gather goes on once the consumer waits for it)
+        runner = threading.Thread(target=job.run)
+        runner.start()
+        assert started.wait(5)
+        got = job.result(0, 5.0)
+        runner.join(5)
+        assert got is not None, "a running prefetch was given up"
+        assert torch.equal(got.rows["hidden"][:4], rows(1, 0, 4))
 
 
 def test_every_consumer_that_finds_the_prefetch_running_gets_its_rows() -> None:
