@@ -42,10 +42,11 @@ test-perturbed: setup develop
 demo *ARGS: setup develop
     omni-pcache demo "$@"
 
-# The differential harness over many seeds (>= 100); prints how many requests and rows it checked.
+# The differential harness over many seeds (>= 100), from seed FIRST (a later run can soak seeds
+# no run has); prints how many requests and rows it checked, and names the seed of a failure.
 # (One test of any length: the suite's 300 s per-test timeout is off for it.)
-soak SEEDS="120": setup develop
-    OMNI_PCACHE_SOAK_SEEDS={{SEEDS}} python -m pytest -q -s --timeout 0 tests/test_engine_differential.py -k soak
+soak SEEDS="120" FIRST="0": setup develop
+    OMNI_PCACHE_SOAK_SEEDS={{SEEDS}} OMNI_PCACHE_SOAK_FIRST={{FIRST}} python -m pytest -q -s --timeout 0 tests/test_engine_differential.py -k soak
 
 # ~1.5 h on 2 cores for the core's ~940 mutants, report in mutants.out/ (a change's own:
 # `cargo mutants -p pcache-core --in-diff FILE`, minutes). Survivors in code that only the

@@ -20,6 +20,7 @@ from omni_pcache.engine.request import Status
 from omni_pcache.prefetch import HitPrefetcher
 
 SOAK_SEEDS = int(os.environ.get("OMNI_PCACHE_SOAK_SEEDS", "0"))
+SOAK_FIRST = int(os.environ.get("OMNI_PCACHE_SOAK_FIRST", "0"))  # (later runs can go past the seeds already soaked)
 CUDA_SEEDS = int(os.environ.get("OMNI_PCACHE_CUDA_SEEDS", "2"))  # `just gpu-check` runs more
 
 # (name, engine config, workload, requests, abort rate)
@@ -278,14 +279,22 @@ def test_a_nan_row_is_caught_by_the_harness() -> None:
 @pytest.mark.skipif(SOAK_SEEDS == 0, reason="soak: run `just soak`")
 def test_soak() -> None:
     requests = rows = 0
-    for seed in range(SOAK_SEEDS):
-        _, config, workload, num_requests, abort_rate = SCENARIOS[seed % len(SCENARIOS)]
+    seeds = range(SOAK_FIRST, SOAK_FIRST + SOAK_SEEDS)
+    for seed in seeds:
+        name, config, workload, num_requests, abort_rate = SCENARIOS[seed % len(SCENARIOS)]
         model = "transformer" if seed % 10 == 9 else "prefix-hash"
         config = replace(config, model=model, prefetch_hits=seed % 2 == 1)  # (every other seed prefetches hits)
-        _, result = check(config, workload, num_requests, seed, abort_rate)
+        try:
+            _, result = check(config, workload, num_requests, seed, abort_rate)
+        except Exception as exc:  # (which case failed, to rerun it alone)
+            case = f"seed {seed}, scenario {name!r}, model {model}, prefetch_hits={config.prefetch_hits}"
+            raise AssertionError(f"soak: {case}: {exc}") from exc
         requests += result.requests_checked
         rows += result.rows_checked
-    print(f"\nsoak: {SOAK_SEEDS} seeds, {requests} requests and {rows} rows checked, 0 mismatches")
+    print(
+        f"\nsoak: seeds {seeds.start}..{seeds.stop - 1} ({SOAK_SEEDS}), {requests} requests and {rows} rows checked,"
+        " 0 mismatches"
+    )
 
 
 def test_a_request_aborted_while_it_recomputes_after_a_preemption_is_checked_on_every_row_it_got() -> None:
