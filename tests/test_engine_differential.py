@@ -288,7 +288,8 @@ def test_soak() -> None:
             _, result = check(config, workload, num_requests, seed, abort_rate)
         except Exception as exc:  # (which case failed, to rerun it alone)
             case = f"seed {seed}, scenario {name!r}, model {model}, prefetch_hits={config.prefetch_hits}"
-            raise AssertionError(f"soak: {case}: {exc}") from exc
+            what = str(exc) if isinstance(exc, AssertionError) else f"{type(exc).__name__}: {exc}"
+            raise AssertionError(f"soak: {case}: {what}") from exc
         requests += result.requests_checked
         rows += result.rows_checked
     print(

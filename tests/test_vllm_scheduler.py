@@ -544,9 +544,9 @@ def sessions_case(seed: int) -> d.Result | None:
 
 @pytest.mark.skipif(SOAK_SEEDS == 0, reason="soak: run `just soak-vllm`")
 def test_soak() -> None:
-    """`just soak-vllm SEEDS FIRST`: `mixed_case` and `sessions_case` over seeds FIRST..
-    FIRST+SEEDS, every request's rows checked; runs vLLM itself stalls (`run_or_stall`) are
-    counted and named, not failed."""
+    """`just soak-vllm SEEDS FIRST`: `mixed_case` and `sessions_case` over seeds FIRST to
+    FIRST+SEEDS-1, every request's rows checked (a failure names its case and seed); runs vLLM
+    itself stalls (`run_or_stall`) are counted and named, not failed."""
     checked, stalled = 0, []
     for seed in range(SOAK_FIRST, SOAK_FIRST + SOAK_SEEDS):
         for case in (mixed_case, sessions_case):
@@ -556,9 +556,11 @@ def test_soak() -> None:
                     stalled.append(f"{case.__name__}({seed})")
                     continue
                 checked += len(check_full_sequences(result))
-            except AssertionError as exc:
-                raise AssertionError(f"soak {case.__name__}({seed}): {exc}") from None
-    print(f"\nsoak: seeds {SOAK_FIRST}..{SOAK_FIRST + SOAK_SEEDS}: {checked} requests checked, 0 mismatches; ", end="")
+            except Exception as exc:  # (a mismatch, or an error the cache or the adapter raised: named with its case)
+                what = str(exc) if isinstance(exc, AssertionError) else f"{type(exc).__name__}: {exc}"
+                raise AssertionError(f"soak {case.__name__}({seed}): {what}") from exc
+    last = SOAK_FIRST + SOAK_SEEDS - 1
+    print(f"\nsoak: seeds {SOAK_FIRST}..{last} ({SOAK_SEEDS}): {checked} requests checked, 0 mismatches; ", end="")
     print(f"{len(stalled)} runs stalled in vLLM (blocks held by waiting sessions): {stalled[:12]}")
     left = [t.name for t in threading.enumerate() if t.name in ("output-builder", "omni-pcache-committer")]
     assert not left, f"threads left running after the soak's runs (stalled ones included): {left}"
