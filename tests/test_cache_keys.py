@@ -100,8 +100,25 @@ REFUSALS = {
         lambda: (torch.zeros(4, 2, dtype=torch.float64), {"feat": torch.zeros(4, 8), "later": torch.zeros(2)}),
     ),
     # A key whose pool cannot be allocated (2**36 floats a row), after hidden's was: its storage
-    # is freed and the keys are classified afresh.
+    # is freed and the keys are classified afresh. (A budget past any host's lets the
+    # allocation be tried: by default the host's memory refuses it first, as below.)
     "a row too wide to allocate": (
+        None,
+        {"host_budget_bytes": 2**62},
+        lambda: (
+            torch.zeros(4, 2, dtype=torch.float64),
+            {"feat": torch.zeros(4, 1).expand(4, 2**36), "later": torch.zeros(2)},
+        ),
+    ),
+    # Keys whose pool and staging pages would pass the host budget (9,216 bytes of 8,192; the
+    # retry's take 5,120): refused before anything is allocated.
+    "keys past the host budget": (
+        None,
+        {"host_budget_bytes": 8192},
+        lambda: (torch.zeros(4, 2, dtype=torch.float64), {"feat": torch.zeros(4, 5), "later": torch.zeros(2)}),
+    ),
+    # The same too-wide row under the default budget, this host's memory.
+    "a row past the host's memory": (
         None,
         {},
         lambda: (
@@ -122,7 +139,7 @@ def test_a_refused_save_classifies_nothing_so_a_corrected_retry_is_cached(refusa
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
         batch = StepBatch(["a"], [4], slots_of([0, 1], 0, 4, BS))
         hidden, mm = refused_step()
-        with pytest.raises(InvalidInputError):
+        with pytest.raises(ConfigError if "host" in refusal else InvalidInputError):
             cache.save(hidden, mm, batch)
         stats = cache.stats()
         assert (stats.pool_bytes, stats.steps_outstanding, stats.tasks_live) == ({}, [], 0)
@@ -200,8 +217,8 @@ def test_a_leftover_name_stays_leftover_after_a_refused_step_that_carried_it() -
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
         first = {"lens": torch.tensor([1, 2, 3])}  # dim 0 != 4: leftover
         cache.discard(cache.save(torch.zeros(4, 2), first, StepBatch(["a"], [4], np.arange(4))))
-        too_wide = torch.zeros(4, 1).expand(4, 2**36)  # (a pool of 2**36 floats a row cannot be allocated)
-        with pytest.raises(InvalidInputError):
+        too_wide = torch.zeros(4, 1).expand(4, 2**36)  # (a pool of 2**36 floats a row: past the host's memory)
+        with pytest.raises(ConfigError, match="past this host's memory"):
             cache.save(torch.zeros(4, 2), {**first, "feat": too_wide}, StepBatch(["a"], [4], np.arange(4, 8)))
         out_id = cache.save(
             torch.zeros(3, 2), {"lens": torch.tensor([7, 8, 9])}, StepBatch(["a"], [3], np.arange(4, 7))

@@ -46,6 +46,7 @@ from omni_pcache.errors import (
 )
 from omni_pcache.events import NewRequest, ResumedRequest, StepBatch, StepEvents, StepOutputs
 from omni_pcache.failure import release_everything, write_failed_error
+from omni_pcache.host_memory import host_memory_limit
 from omni_pcache.inline_writes import InlineWrites
 from omni_pcache.key_storage import KeyStorage
 from omni_pcache.keys import KeyRegistry, row_bytes
@@ -87,7 +88,11 @@ class PrefixCache:
         self._writer = PoolWriter(
             self._tasks, self._ledger, self._staging, self._pool, self._preserved, self._cond, self._pages
         )
-        self._storage = KeyStorage(self._pool, self._pages, self._writer.bytes_written)
+        if config.host_budget_bytes is None:  # (the host's memory: a pool past it is killed, not refused)
+            budget, budget_name = host_memory_limit(), "this host's memory (CacheConfig.host_budget_bytes=None)"
+        else:
+            budget, budget_name = config.host_budget_bytes, "CacheConfig.host_budget_bytes"
+        self._storage = KeyStorage(self._pool, self._pages, self._writer.bytes_written, budget, budget_name)
         self._inline = InlineWrites(config, self._writer, weakly(self._on_write_failure), weakly(self._failure_or_none))
         self._counters = Counters()
         failure_or_none = weakly(self._failure_or_none)

@@ -46,6 +46,16 @@ class CacheConfig:
     torch's pinned allocator rounds every allocation up to a power of two (a 9 GiB pool would
     page-lock 16 GiB) and allocates it on the engine thread at the key's first save.
 
+    ``host_budget_bytes``: the most host memory the pool and staging pages of all keys may
+    hold (page-locked sizes for pinned storage). A save that shows a key whose storage would
+    pass it raises `ConfigError` before allocating anything, and caches nothing of that step.
+    ``None`` (the default) takes this host's memory, the smaller of its physical memory and
+    its control group's limit (`host_memory.host_memory_limit`, read when the cache is made):
+    a pool past that allocates fine, since Linux lends more than it has, and is killed for
+    memory once the engine has used enough of its slots. The budget is per cache: set it to
+    the share of the host one cache may take where other processes, or other caches, need
+    the rest.
+
     ``prefetch_hits``: at `PrefixCache.begin_step`, hand the committer thread a gather of each
     new hit's committed prefix rows, which it runs during the forward (`omni_pcache.prefetch`),
     so `materialize` finds them gathered, usually into the very tensor it returns. Rows are
@@ -69,6 +79,7 @@ class CacheConfig:
     inline_write_bytes: int = 256 * 1024
     pin_pool: bool = False
     prefetch_hits: bool | None = None
+    host_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         positive = {
@@ -94,6 +105,9 @@ class CacheConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"CacheConfig.{name} must be an int >= 0, got {value!r}")
+        budget = self.host_budget_bytes
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+            raise ConfigError(f"CacheConfig.host_budget_bytes must be None or an int >= 0, got {budget!r}")
         timeout = self.claim_timeout_s
         if isinstance(timeout, bool) or not (isinstance(timeout, int | float) and math.isfinite(timeout)):
             raise ConfigError(f"CacheConfig.claim_timeout_s must be a finite number, got {self.claim_timeout_s!r}")

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from omni_pcache.errors import InvalidInputError
+from omni_pcache.host_memory import footprint
 
 INLINE_COPY_BYTES = 256 * 1024
 """CPU sources smaller than this are copied inside save; larger ones by the committer."""
@@ -48,7 +49,7 @@ def held_bytes(tensor: torch.Tensor) -> str:
     nbytes = tensor.numel() * tensor.element_size()
     text = f"{nbytes / 2**20:.1f} MiB"
     if tensor.is_pinned() and nbytes > 0:
-        locked = 1 << (nbytes - 1).bit_length()
+        locked = footprint(nbytes, pinned=True)
         text += f" (pinned: {locked / 2**20:.1f} MiB page-locked)" if locked != nbytes else " (pinned)"
     return text
 

@@ -14,7 +14,8 @@ import threading
 import numpy as np
 import torch
 
-from omni_pcache.copy_engine import empty_host, held_bytes
+from omni_pcache.copy_engine import empty_host, held_bytes, pinned_available
+from omni_pcache.host_memory import footprint
 from omni_pcache.keys import KeySpec
 from omni_pcache.pool import row_bytes_view
 
@@ -76,3 +77,12 @@ class StagingPages:
     def nbytes(self) -> dict[str, int]:
         with self._lock:
             return {k: t.numel() * t.element_size() for k, t in self._pages.items()}
+
+    def footprint(self, spec: KeySpec) -> int:
+        """The host memory the key's pages hold once allocated (`host_memory.footprint`)."""
+        return footprint(self._depth * self._capacity * spec.row_bytes, pinned_available())
+
+    def footprints(self) -> dict[str, int]:
+        """The host memory each key's pages hold now."""
+        pinned = pinned_available()
+        return {name: footprint(nbytes, pinned) for name, nbytes in self.nbytes().items()}

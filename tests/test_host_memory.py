@@ -1,0 +1,105 @@
+"""The host-memory budget (`CacheConfig.host_budget_bytes`): keys whose pool and staging pages
+would pass it are refused at their first save, before anything is allocated, and the cache
+goes on serving the keys it has; by default the budget is this host's memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cachekit import slots_of, small_cache
+from omni_pcache import CacheConfig, ConfigError, NewRequest, StepBatch, StepEvents
+from omni_pcache.host_memory import cgroup_memory_limit, footprint, host_memory_limit, physical_memory
+
+BS = 4  # (small_cache: 16 blocks of 4 slots, 3 staging pages of 64 rows)
+
+
+def test_keys_that_each_fit_the_host_but_not_together_are_refused_before_allocating() -> None:
+    """Two keys whose pools are each 60% of this host's memory: each would allocate (Linux lends
+    more than it has) and the pair be killed for memory once written. The save is refused with a
+    `ConfigError` naming both keys and the budget; nothing is allocated, no step id is held, and
+    a save of narrower rows is cached as usual."""
+    limit = host_memory_limit()
+    assert limit is not None and 0 < limit <= physical_memory()
+    num_blocks = 1 << 16
+    width = int(0.6 * limit) // (num_blocks * BS * 4)  # (float32 rows: 60% of the host per key)
+    with small_cache(num_blocks=num_blocks) as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        batch = StepBatch(["a"], [4], slots_of([0, 1], 0, 4, BS))
+        wide = torch.zeros(4, width)
+        with pytest.raises(ConfigError) as err:
+            cache.save(wide, {"codes": wide}, batch)
+        message = str(err.value)
+        assert f"'hidden' rows ({width},) float32" in message and f"'codes' rows ({width},) float32" in message
+        assert "past this host's memory (CacheConfig.host_budget_bytes=None)" in message
+        stats = cache.stats()
+        assert (stats.pool_bytes, stats.staging_bytes, stats.steps_outstanding) == ({}, {}, [])
+        hidden, codes = torch.randn(4, 8), torch.arange(4)
+        out = cache.materialize(cache.save(hidden, {"codes": codes}, batch), ["a"])
+        assert torch.equal(out.hidden["a"], hidden) and torch.equal(out.mm["codes"]["a"], codes)
+
+
+def test_a_new_key_past_the_budget_leaves_the_cached_keys_serving_hits() -> None:
+    """A budget that holds hidden and codes exactly: a later step that brings a third key is
+    refused (the error names it as new, and the budget), the keys held stay as they were, and
+    a hit on the first step's rows still gets them back."""
+    rows_per_key = 16 * BS + 3 * 64  # (pool slots + staging rows of small_cache)
+    budget = rows_per_key * (4 * 4 + 8)  # hidden (4,) float32, codes int64
+    with small_cache(host_budget_bytes=budget) as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        a_hidden, a_codes = torch.randn(8, 4), torch.arange(8)
+        step = cache.save(a_hidden, {"codes": a_codes}, StepBatch(["a"], [8], slots_of([0, 1], 0, 8, BS)))
+        cache.materialize(step, ["a"])
+        cache.flush()
+        held = cache.stats().pool_bytes
+        cache.begin_step(StepEvents(new=[NewRequest("b", [0, 2], num_computed_tokens=4)], finished=["a"]))
+        b_batch = StepBatch(["b"], [2], slots_of([0, 2], 4, 2, BS))
+        refused = r"'extra' rows \(\) float32: 1\.0 KiB \(new\).*past CacheConfig\.host_budget_bytes: 6\.0 KiB"
+        with pytest.raises(ConfigError, match=refused):
+            cache.save(torch.randn(2, 4), {"codes": torch.arange(2), "extra": torch.zeros(2)}, b_batch)
+        assert cache.stats().pool_bytes == held and cache.stats().steps_outstanding == []
+        b_hidden = torch.randn(2, 4)
+        out = cache.materialize(cache.save(b_hidden, {"codes": torch.arange(8, 10)}, b_batch), ["b"])
+        assert torch.equal(out.hidden["b"], torch.cat([a_hidden[:4], b_hidden]))
+        assert torch.equal(out.mm["codes"]["b"], torch.tensor([0, 1, 2, 3, 8, 9]))
+
+
+def test_the_budget_must_be_none_or_a_byte_count() -> None:
+    for value in (-1, True, 1.5, "1GiB"):
+        with pytest.raises(ConfigError, match=f"host_budget_bytes must be None or an int >= 0, got {value!r}"):
+            CacheConfig(num_blocks=1, block_size=16, host_budget_bytes=value)
+    assert CacheConfig(num_blocks=1, block_size=16, host_budget_bytes=0).host_budget_bytes == 0
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_the_tightest_limit_of_a_v2_group_and_its_ancestors_is_read(tmp_path: Path) -> None:
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    write(proc / "self" / "cgroup", "0::/pods/pod1/ctr\n")
+    write(root / "pods" / "pod1" / "ctr" / "memory.max", "max\n")  # (no limit of its own)
+    write(root / "pods" / "pod1" / "memory.max", f"{8 << 30}\n")
+    write(root / "pods" / "memory.max", f"{64 << 30}\n")
+    assert cgroup_memory_limit(proc, root) == 8 << 30
+
+
+def test_a_v1_memory_limit_is_read_and_no_limit_reads_none(tmp_path: Path) -> None:
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    write(proc / "self" / "cgroup", "5:cpu,cpuacct:/ctr\n4:memory:/ctr\n")
+    write(root / "memory" / "ctr" / "memory.limit_in_bytes", f"{3 << 30}\n")
+    assert cgroup_memory_limit(proc, root) == 3 << 30
+    write(root / "memory" / "ctr" / "memory.limit_in_bytes", "max\n")
+    assert cgroup_memory_limit(proc, root) is None
+    assert cgroup_memory_limit(tmp_path / "no-proc", root) is None, "no /proc: no limit known"
+
+
+def test_pinned_storage_counts_its_page_locked_size() -> None:
+    assert footprint(9 << 30, pinned=True) == 16 << 30
+    assert footprint(9 << 30, pinned=False) == 9 << 30
+    assert footprint(0, pinned=True) == 0
+    assert np.log2(footprint(3000, pinned=True)) == 12
