@@ -86,6 +86,11 @@ def test_the_tightest_limit_of_a_v2_group_and_its_ancestors_is_read(tmp_path: Pa
     write(root / "pods" / "pod1" / "memory.max", f"{8 << 30}\n")
     write(root / "pods" / "memory.max", f"{64 << 30}\n")
     assert cgroup_memory_limit(proc, root) == 8 << 30
+    # (a group outside the namespace: neither it nor what its ".." lead to is read)
+    write(proc / "self" / "cgroup", "0::/../../other/ctr\n")
+    write(root / "memory.max", f"{32 << 30}\n")
+    write(tmp_path / "memory.max", f"{1 << 30}\n")
+    assert cgroup_memory_limit(proc, root) is None
 
 
 def test_a_v1_memory_limit_is_read_and_no_limit_reads_none(tmp_path: Path) -> None:

@@ -41,6 +41,8 @@ def cgroup_memory_limit(proc: Path = Path("/proc"), cgroup_root: Path = Path("/s
             base, name = cgroup_root / "memory", "memory.limit_in_bytes"
         else:
             continue
+        if ".." in Path(path).parts:  # (a group outside this process's cgroup namespace)
+            continue
         group = base / path.lstrip("/")
         while True:  # (the group and each ancestor up to the hierarchy's root)
             limit = _read_limit(group / name)
