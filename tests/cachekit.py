@@ -8,6 +8,9 @@ import numpy as np
 import torch
 
 from omni_pcache import CacheConfig, PrefixCache, StepBatch
+from omni_pcache._native import Ledger
+from omni_pcache.copy_engine import pinned_available
+from omni_pcache.host_memory import footprint
 
 
 def slots_of(block_ids: list[int], start: int, count: int, block_size: int) -> np.ndarray:
@@ -35,8 +38,22 @@ def batch(req_counts: list[tuple[str, int]], slot_lists: list[np.ndarray], padde
     return StepBatch([r for r, _ in req_counts], [c for _, c in req_counts], np.concatenate(slot_lists), padded)
 
 
+SMALL_CACHE = dict(num_blocks=16, block_size=4, staging_depth=3, staging_capacity_tokens=64, claim_timeout_s=5.0)
+
+
+def small_cache_bytes(row_bytes: dict[str, int], deferred: frozenset[str] = frozenset()) -> int:
+    """The host memory keys of these row widths hold in a `small_cache` (what its host budget
+    counts): a pool row per slot, staging pages for each key not ``deferred`` (page-locked
+    size where CUDA pins them), and the ledger's columns of each key."""
+    slots = SMALL_CACHE["num_blocks"] * SMALL_CACHE["block_size"]
+    page_rows = SMALL_CACHE["staging_depth"] * SMALL_CACHE["staging_capacity_tokens"]
+    columns = Ledger(slots, SMALL_CACHE["block_size"]).key_column_bytes
+    pages = sum(footprint(page_rows * size, pinned_available()) for k, size in row_bytes.items() if k not in deferred)
+    return slots * sum(row_bytes.values()) + pages + len(row_bytes) * columns
+
+
 def small_cache(**overrides) -> PrefixCache:
-    cfg = dict(num_blocks=16, block_size=4, staging_depth=3, staging_capacity_tokens=64, claim_timeout_s=5.0)
+    cfg = dict(SMALL_CACHE)
     cfg.update(overrides)
     policy = cfg.pop("policy", None)
     return PrefixCache(CacheConfig(**cfg), policy)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from cachekit import describe, rows, slots_of, small_cache
+from cachekit import describe, rows, slots_of, small_cache, small_cache_bytes
 from omni_pcache import (
     CachePolicy,
     ConfigError,
@@ -110,11 +110,11 @@ REFUSALS = {
             {"feat": torch.zeros(4, 1).expand(4, 2**36), "later": torch.zeros(2)},
         ),
     ),
-    # Keys whose pool and staging pages would pass the host budget (9,216 bytes of 8,192; the
-    # retry's take 5,120): refused before anything is allocated.
+    # Keys whose storage would pass the host budget, which holds the retry's keys exactly:
+    # refused before anything is allocated.
     "keys past the host budget": (
         None,
-        {"host_budget_bytes": 8192},
+        {"host_budget_bytes": small_cache_bytes({"hidden": 8, "feat": 8, "later": 4})},
         lambda: (torch.zeros(4, 2, dtype=torch.float64), {"feat": torch.zeros(4, 5), "later": torch.zeros(2)}),
     ),
     # The same too-wide row under the default budget, this host's memory.

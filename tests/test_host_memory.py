@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from cachekit import slots_of, small_cache
-from omni_pcache import CacheConfig, ConfigError, NewRequest, StepBatch, StepEvents
+from cachekit import slots_of, small_cache, small_cache_bytes
+from omni_pcache import CacheConfig, CachePolicy, ConfigError, NewRequest, StepBatch, StepEvents
 from omni_pcache.host_memory import cgroup_memory_limit, footprint, host_memory_limit, physical_memory
 
 BS = 4  # (small_cache: 16 blocks of 4 slots, 3 staging pages of 64 rows)
@@ -43,28 +43,53 @@ def test_keys_that_each_fit_the_host_but_not_together_are_refused_before_allocat
 
 
 def test_a_new_key_past_the_budget_leaves_the_cached_keys_serving_hits() -> None:
-    """A budget that holds hidden and codes exactly: a later step that brings a third key is
-    refused (the error names it as new, and the budget), the keys held stay as they were, and
-    a hit on the first step's rows still gets them back."""
-    rows_per_key = 16 * BS + 3 * 64  # (pool slots + staging rows of small_cache)
-    budget = rows_per_key * (4 * 4 + 8)  # hidden (4,) float32, codes int64
-    with small_cache(host_budget_bytes=budget) as cache:
+    """A budget that holds hidden and a wide codes key exactly: a later step that leaves codes
+    out and brings a key that needs less than codes holds is still refused (codes' storage is
+    held), the error names the new key and what the cache holds, the keys held stay as they
+    were, and a hit on the first step's rows still gets them back."""
+    with small_cache(host_budget_bytes=small_cache_bytes({"hidden": 16, "codes": 128})) as cache:
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
-        a_hidden, a_codes = torch.randn(8, 4), torch.arange(8)
+        a_hidden, a_codes = torch.randn(8, 4), torch.randn(8, 32)
         step = cache.save(a_hidden, {"codes": a_codes}, StepBatch(["a"], [8], slots_of([0, 1], 0, 8, BS)))
         cache.materialize(step, ["a"])
         cache.flush()
         held = cache.stats().pool_bytes
         cache.begin_step(StepEvents(new=[NewRequest("b", [0, 2], num_computed_tokens=4)], finished=["a"]))
         b_batch = StepBatch(["b"], [2], slots_of([0, 2], 4, 2, BS))
-        refused = r"'extra' rows \(\) float32: 1\.0 KiB \(new\).*past CacheConfig\.host_budget_bytes: 6\.0 KiB"
+        refused = (
+            r"this step's new keys would need .* \('extra' rows \(\) float32: [\d.]+ KiB; ledger columns: "
+            r"[\d.]+ KiB\) beside the [\d.]+ KiB the cache holds \('hidden': [\d.]+ KiB, 'codes': [\d.]+ KiB; "
+            r"ledger columns: [\d.]+ KiB\), past CacheConfig\.host_budget_bytes"
+        )
         with pytest.raises(ConfigError, match=refused):
-            cache.save(torch.randn(2, 4), {"codes": torch.arange(2), "extra": torch.zeros(2)}, b_batch)
+            cache.save(torch.randn(2, 4), {"extra": torch.zeros(2)}, b_batch)
         assert cache.stats().pool_bytes == held and cache.stats().steps_outstanding == []
         b_hidden = torch.randn(2, 4)
-        out = cache.materialize(cache.save(b_hidden, {"codes": torch.arange(8, 10)}, b_batch), ["b"])
+        b_codes = torch.randn(2, 32)
+        out = cache.materialize(cache.save(b_hidden, {"codes": b_codes}, b_batch), ["b"])
         assert torch.equal(out.hidden["b"], torch.cat([a_hidden[:4], b_hidden]))
-        assert torch.equal(out.mm["codes"]["b"], torch.tensor([0, 1, 2, 3, 8, 9]))
+        assert torch.equal(out.mm["codes"]["b"], torch.cat([a_codes[:4], b_codes]))
+
+
+def test_a_deferred_key_is_budgeted_without_staging_pages() -> None:
+    """A deferred key's rows stay on the device until its request finishes: it has a pool and
+    ledger columns but no staging pages, so a budget of exactly that admits it, and one byte
+    less refuses it."""
+    policy = CachePolicy(deferred_keys={"feat"})
+    exact = small_cache_bytes({"hidden": 8, "feat": 12}, deferred=frozenset({"feat"}))
+    for budget, admitted in ((exact, True), (exact - 1, False)):
+        with small_cache(policy=policy, host_budget_bytes=budget) as cache:
+            cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+            hidden, feat = torch.randn(4, 2), torch.randn(4, 3)
+            batch = StepBatch(["a"], [4], slots_of([0], 0, 4, BS))
+            if admitted:
+                out = cache.materialize(cache.save(hidden, {"feat": feat}, batch), ["a"])
+                assert torch.equal(out.hidden["a"], hidden) and torch.equal(out.mm["feat"]["a"], feat)
+                assert sorted(cache.stats().pool_bytes) == ["feat", "hidden"]
+                assert sorted(cache.stats().staging_bytes) == ["hidden"]
+            else:
+                with pytest.raises(ConfigError, match=r"'feat' rows \(3,\) float32"):
+                    cache.save(hidden, {"feat": feat}, batch)
 
 
 def test_the_budget_must_be_none_or_a_byte_count() -> None:

@@ -89,6 +89,7 @@ class Ledger:
     num_slots: int
     block_size: int
     num_keys: int
+    key_column_bytes: int  # host bytes of one registered key's columns
     num_tasks: int
     num_pending_reads: int
     def __init__(self, num_slots: int, block_size: int = 16) -> None: ...

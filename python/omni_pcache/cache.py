@@ -46,6 +46,7 @@ from omni_pcache.errors import (
 )
 from omni_pcache.events import NewRequest, ResumedRequest, StepBatch, StepEvents, StepOutputs
 from omni_pcache.failure import release_everything, write_failed_error
+from omni_pcache.host_budget import HostBudget
 from omni_pcache.host_memory import host_memory_limit
 from omni_pcache.inline_writes import InlineWrites
 from omni_pcache.key_storage import KeyStorage
@@ -80,7 +81,6 @@ class PrefixCache:
         self._ledger = Ledger(config.num_slots, config.block_size)
         self._tasks = WriteTasks()
         self._staging = StagingSlots(config.staging_depth)
-        self._keys = KeyRegistry(policy, self._ledger.add_key)
         self._pool = HostPool(config.num_slots, pinned=config.pin_pool)
         self._pages = StagingPages(config.staging_depth, config.staging_capacity_tokens)
         self._preserved = PreservedRows(config.max_preserved_rows, self._cond)
@@ -89,10 +89,12 @@ class PrefixCache:
             self._tasks, self._ledger, self._staging, self._pool, self._preserved, self._cond, self._pages
         )
         if config.host_budget_bytes is None:  # (the host's memory: a pool past it is killed, not refused)
-            budget, budget_name = host_memory_limit(), "this host's memory (CacheConfig.host_budget_bytes=None)"
+            limit, limit_name = host_memory_limit(), "this host's memory (CacheConfig.host_budget_bytes=None)"
         else:
-            budget, budget_name = config.host_budget_bytes, "CacheConfig.host_budget_bytes"
-        self._storage = KeyStorage(self._pool, self._pages, self._writer.bytes_written, budget, budget_name)
+            limit, limit_name = config.host_budget_bytes, "CacheConfig.host_budget_bytes"
+        budget = HostBudget(limit, limit_name, self._pool, self._pages, self._ledger, policy.deferred_keys)
+        self._keys = KeyRegistry(policy, self._ledger.add_key, budget.check)
+        self._storage = KeyStorage(self._pool, self._pages, self._writer.bytes_written)
         self._inline = InlineWrites(config, self._writer, weakly(self._on_write_failure), weakly(self._failure_or_none))
         self._counters = Counters()
         failure_or_none = weakly(self._failure_or_none)

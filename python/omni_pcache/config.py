@@ -46,9 +46,10 @@ class CacheConfig:
     torch's pinned allocator rounds every allocation up to a power of two (a 9 GiB pool would
     page-lock 16 GiB) and allocates it on the engine thread at the key's first save.
 
-    ``host_budget_bytes``: the most host memory the pool and staging pages of all keys may
-    hold (page-locked sizes for pinned storage). A save that shows a key whose storage would
-    pass it raises `ConfigError` before allocating anything, and caches nothing of that step.
+    ``host_budget_bytes``: the most host memory all keys may hold: each key's pool, staging
+    pages (page-locked sizes where pinned) and ledger columns (`host_budget.HostBudget`). A save
+    that brings keys whose storage would pass it raises `ConfigError` before allocating
+    anything, and caches nothing of that step.
     ``None`` (the default) takes this host's memory, the smaller of its physical memory and
     its control group's limit (`host_memory.host_memory_limit`, read when the cache is made):
     a pool past that allocates fine, since Linux lends more than it has, and is killed for

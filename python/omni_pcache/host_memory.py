@@ -5,7 +5,7 @@ lower: a container's), and `footprint` says what a host tensor of some bytes hol
 Linux lends a process more pageable memory than it has (overcommit) and touches it page by
 page: a pool larger than the host allocates fine and is killed for memory hours later, once
 the engine has used enough of its slots. `CacheConfig.host_budget_bytes` (default: this
-limit) refuses such a key at its first save instead (`KeyStorage.make_room`).
+limit) refuses such a key at its first save instead (`host_budget.HostBudget`).
 """
 
 from __future__ import annotations

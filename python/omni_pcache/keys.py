@@ -82,11 +82,13 @@ def _is_per_token(value: Any, n: int, n_padded: int) -> bool:
 
 class KeyRegistry:
     """Classifies mm entries and remembers each key's spec. ``add_key`` registers a new key in
-    the ledger and returns its id."""
+    the ledger and returns its id; ``check_room(new_specs, new_ledger_columns)``, when given,
+    refuses new keys the host cannot hold (`host_budget.HostBudget.check`) before any is."""
 
-    def __init__(self, policy: CachePolicy, add_key) -> None:
+    def __init__(self, policy: CachePolicy, add_key, check_room=None) -> None:
         self._policy = policy
         self._add_key = add_key
+        self._check_room = check_room
         self._specs: dict[str, KeySpec] = {}
         self._leftover: set[str] = set()
         self._step_keys: dict[tuple[str, ...], StepKeys] = {}
@@ -159,13 +161,16 @@ class KeyRegistry:
     ) -> tuple[dict[str, tuple[KeySpec, torch.Tensor]], tuple[str, ...]]:
         """Remembers a classified step's new keys (each registered in the ledger) and, with
         discovery on, its new leftover names; returns its rows as ``{name: (spec, tensor)}``
-        and the names it added (for `forget`, should the step still be refused)."""
+        and the names it added (for `forget`, should the step still be refused). New keys past
+        the host budget register nothing (``check_room`` raises `ConfigError`)."""
         added: list[str] = []
         out: dict[str, tuple[KeySpec, torch.Tensor]] = {}
         try:
             for name, rows in cached.items():
                 spec = self._specs.get(name)
                 if spec is None:
+                    if not added and self._check_room is not None:  # (the step's first new key: all of them)
+                        self._check_new_keys(cached)
                     spec = self._spec_for(name, rows)  # (InvalidInputError: no ledger columns for it)
                     added.append(name)
                 out[name] = (spec, rows)
@@ -177,6 +182,15 @@ class KeyRegistry:
             self._leftover.update(new_leftover)
             added += new_leftover
         return out, tuple(added)
+
+    def _check_new_keys(self, cached: dict[str, torch.Tensor]) -> None:
+        """``check_room`` for the keys of ``cached`` not registered yet (before any of them is)."""
+        new = [
+            KeySpec(name, tuple(rows.shape[1:]), rows.dtype, -1)
+            for name, rows in cached.items()
+            if name not in self._specs
+        ]
+        self._check_room(new, max(0, len(new) - len(self._spare_key_ids)))
 
     def forget(self, names: tuple[str, ...]) -> None:
         """Undoes `register` for a step refused after it (its key storage could not be

@@ -153,6 +153,11 @@ impl Ledger {
         self.keys.len() as u32
     }
 
+    /// Host bytes one key's columns take (each registered key holds this much).
+    pub fn key_column_bytes(&self) -> usize {
+        KeyColumns::bytes_for(self.num_slots as usize, self.block_size as usize)
+    }
+
     /// Registers a key: every slot absent at version 0. Panics when its columns cannot be
     /// allocated ([`Ledger::try_add_key`] refuses instead).
     pub fn add_key(&mut self) -> KeyId {

@@ -127,6 +127,15 @@ impl KeyColumns {
         Self::try_new(num_slots, block_size).expect("allocating a key's ledger columns")
     }
 
+    /// Host bytes of one key's columns for `num_slots` slots in blocks of `block_size` (`>= 1`):
+    /// what [`KeyColumns::try_new`] allocates.
+    pub(crate) fn bytes_for(num_slots: usize, block_size: usize) -> usize {
+        let num_blocks = num_slots.div_ceil(block_size);
+        num_slots * (size_of::<u32>() + size_of::<u64>() + size_of::<u32>())
+            + num_blocks.div_ceil(64) * size_of::<u64>()
+            + num_blocks * size_of::<Entry>()
+    }
+
     /// Columns for `num_slots` slots in blocks of `block_size` (`>= 1`), every slot absent at
     /// version 0; `None` when the allocator cannot provide them (16 bytes per slot, and an
     /// entry per block), instead of aborting the process.

@@ -90,3 +90,21 @@ fn a_block_stays_whole_until_a_call_touches_part_of_it() {
         "slot 6 was the other task's"
     );
 }
+
+#[test]
+fn bytes_for_counts_what_the_columns_allocate() {
+    // (block sizes that divide the slots and one that leaves a partial block; more than 64 blocks)
+    for (num_slots, block_size) in [(1024, 16), (1000, 3), (5, 8), (1, 1)] {
+        let cols = KeyColumns::new(num_slots, block_size);
+        let allocated = cols.owner.capacity() * size_of::<u32>()
+            + cols.version.capacity() * size_of::<u64>()
+            + cols.readers.capacity() * size_of::<u32>()
+            + cols.whole.capacity() * size_of::<u64>()
+            + cols.blocks.capacity() * size_of::<Entry>();
+        assert_eq!(
+            KeyColumns::bytes_for(num_slots, block_size),
+            allocated,
+            "{num_slots} slots, blocks of {block_size}"
+        );
+    }
+}

@@ -364,6 +364,12 @@ impl Ledger {
         self.inner.lock().num_keys()
     }
 
+    /// Host bytes of one registered key's columns (16 per slot, and a summary per block).
+    #[getter]
+    fn key_column_bytes(&self) -> usize {
+        self.inner.lock().key_column_bytes()
+    }
+
     /// Tasks with live claims.
     #[getter]
     fn num_tasks(&self) -> usize {

@@ -1,0 +1,76 @@
+"""The cache's host-memory budget (`CacheConfig.host_budget_bytes`): what its keys hold on the
+host (each key's pool, an immediate key's staging pages, and the ledger's columns per key)
+may not pass it. Checked when a save brings keys never registered before, the only time the
+cache's host memory grows, before their ledger columns, pool or pages are allocated.
+
+Engine thread only (`KeyRegistry.register`, from `PrefixCache.save`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from omni_pcache._native import Ledger
+from omni_pcache.errors import ConfigError
+from omni_pcache.keys import KeySpec
+from omni_pcache.pages import StagingPages
+from omni_pcache.pool import HostPool
+
+
+class HostBudget:
+    """Refuses new keys past ``limit`` bytes (``None``: none known, nothing refused);
+    ``limit_name`` says where the limit came from, for the error."""
+
+    def __init__(
+        self,
+        limit: int | None,
+        limit_name: str,
+        pool: HostPool,
+        pages: StagingPages,
+        ledger: Ledger,
+        deferred: frozenset[str],
+    ) -> None:
+        self._limit = limit
+        self._limit_name = limit_name
+        self._pool = pool
+        self._pages = pages
+        self._ledger = ledger
+        self._deferred = deferred  # (keys kept on the device until finish: no staging pages)
+
+    def check(self, new: Sequence[KeySpec], new_columns: int) -> None:
+        """Raises `ConfigError` when the ``new`` keys' storage (and ``new_columns`` more ledger
+        columns: a forgotten key's are reused) would take what the cache holds past the limit."""
+        if self._limit is None:
+            return
+        column_bytes = self._ledger.key_column_bytes
+        held = self._pool.footprints()
+        for name, nbytes in self._pages.footprints().items():
+            held[name] = held.get(name, 0) + nbytes
+        needs = {
+            spec.describe(): self._pool.footprint(spec)
+            + (0 if spec.name in self._deferred else self._pages.footprint(spec))
+            for spec in new
+        }
+        held_total = sum(held.values()) + self._ledger.num_keys * column_bytes
+        new_total = sum(needs.values()) + new_columns * column_bytes
+        if held_total + new_total <= self._limit:
+            return
+        listed = ", ".join(f"{what}: {_size(nbytes)}" for what, nbytes in needs.items())
+        holding = ", ".join(f"{name!r}: {_size(nbytes)}" for name, nbytes in held.items()) or "no key yet"
+        raise ConfigError(
+            f"this step's new keys would need {_size(new_total)} of host memory ({listed}; ledger columns: "
+            f"{_size(new_columns * column_bytes)}) beside the {_size(held_total)} the cache holds ({holding}; "
+            f"ledger columns: {_size(self._ledger.num_keys * column_bytes)}), past {self._limit_name}: "
+            f"{_size(self._limit)}; cache fewer keys (CachePolicy), lower num_blocks, or raise "
+            "CacheConfig.host_budget_bytes"
+        )
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 2**10:.1f} KiB"
+
+
+__all__ = ["HostBudget"]
