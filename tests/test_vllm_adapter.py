@@ -33,6 +33,7 @@ from omni_pcache import (
     StepIdError,
     WriteFailedError,
 )
+from omni_pcache.host_memory import host_memory_limit
 from omni_pcache.vllm import (
     BlockTracker,
     NoOpCache,
@@ -145,6 +146,26 @@ def test_gate_sizes_the_cache_from_vllm() -> None:
     deep = configs(parallel_config=v.ParallelConfig(pipeline_parallel_size=4))
     assert cache_config_from_vllm(**deep).staging_depth == 6
     assert cache_config_from_vllm(**deep, staging_depth=3).staging_depth == 3  # (as asked)
+
+
+def test_data_parallel_replicas_on_a_node_share_its_memory() -> None:
+    """Each data-parallel replica builds a cache of the same size: by default each gets an even
+    share of the host's memory as its budget (one replica, or data parallelism launched from
+    outside, ``data_parallel_size_local=0``: the cache's own default, the whole host); a budget
+    given is kept."""
+    limit = host_memory_limit()
+    for local, budget in ((1, None), (0, None), (8, limit // 8)):
+        dp = configs(parallel_config=v.ParallelConfig(data_parallel_size_local=local))
+        assert cache_config_from_vllm(**dp).host_budget_bytes == budget, local
+    eight = configs(parallel_config=v.ParallelConfig(data_parallel_size_local=8))
+    assert cache_config_from_vllm(**eight, host_budget_bytes=5 << 30).host_budget_bytes == 5 << 30
+    # (a share the keys do not fit is refused at the first save, naming the budget)
+    config = dataclasses.replace(cache_config_from_vllm(**eight), num_blocks=2**20, block_size=16)
+    with PrefixCache(config) as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        rows = torch.zeros(4, (limit // 8) // (2**24 * 2) + 1, dtype=torch.bfloat16)  # (past the share, not the host)
+        with pytest.raises(ConfigError, match=r"past CacheConfig\.host_budget_bytes"):
+            cache.save(rows, None, StepBatch(["a"], [4], np.arange(4)))
 
 
 @pytest.mark.parametrize(

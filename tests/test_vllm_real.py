@@ -39,6 +39,7 @@ with warnings.catch_warnings():
     )
 
 from omni_pcache import ConfigError
+from omni_pcache.host_memory import host_memory_limit
 from omni_pcache.vllm import BlockTracker, cache_config_from_vllm, step_events
 from vllm_replay import RECORDED, Step, record_engine_run, replay, scheduler_output
 
@@ -180,6 +181,10 @@ def test_gate_with_real_configs() -> None:
         num_blocks=10, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec(non_causal=True))]
     )
     assert cache_config_from_vllm(**configs(kv_cache_config=non_causal)) is None
+    # Four data-parallel replicas on this node: each cache's budget is a quarter of the host.
+    dp = ParallelConfig(data_parallel_size=4, data_parallel_size_local=4)
+    assert cache_config_from_vllm(**configs(parallel_config=dp)).host_budget_bytes == host_memory_limit() // 4
+    assert cache_config_from_vllm(**configs()).host_budget_bytes is None
 
 
 def transfer(connector: str, role: str):

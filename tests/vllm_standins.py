@@ -180,6 +180,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     prefill_context_parallel_size: int = 1
     decode_context_parallel_size: int = 1
+    data_parallel_size_local: int = 1
 
 
 @dataclass

@@ -12,6 +12,8 @@ never imports vLLM. Contract:
   full-attention group's ``block_size``, ``staging_capacity_tokens`` =
   ``scheduler_config.max_num_batched_tokens`` (the most tokens one step can save), and a
   ``staging_depth`` of at least one more than the steps vLLM runs ahead (`steps_in_flight`).
+  With several data-parallel replicas on the node (`local_replicas`), each replica's cache
+  gets an even share of the host's memory as its ``host_budget_bytes`` unless one is given.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 from omni_pcache.config import CacheConfig
 from omni_pcache.errors import ConfigError
+from omni_pcache.host_memory import host_memory_limit
 
 REFUSALS: dict[str, str] = {
     "kv_consumer": (
@@ -213,6 +216,12 @@ def _refuse(what: str, change: str, reason: str) -> ConfigError:
     return ConfigError(f"omni_pcache cannot serve {what}: {REFUSALS[reason]}. Change: {change}.")
 
 
+def local_replicas(parallel_config: Any) -> int:
+    """The data-parallel replicas vLLM runs on this node (``data_parallel_size_local``; its 0,
+    data parallelism launched from outside, and a config without the field count as one)."""
+    return max(1, int(getattr(parallel_config, "data_parallel_size_local", 1) or 1))
+
+
 def cache_config_from_vllm(
     *,
     cache_config: Any,
@@ -384,6 +393,13 @@ def cache_config_from_vllm(
     cache_options.setdefault(
         "staging_depth", max(default_depth, steps_in_flight(scheduler_config, parallel_config) + 1)
     )
+    # (each data-parallel replica on this node builds a cache of its own, all of the same size:
+    # by default they share the host's memory, so together they cannot pass it)
+    replicas = local_replicas(parallel_config)
+    if replicas > 1 and cache_options.get("host_budget_bytes") is None:
+        limit = host_memory_limit()
+        if limit is not None:
+            cache_options["host_budget_bytes"] = limit // replicas
     return CacheConfig(
         num_blocks=int(kv_cache_config.num_blocks),
         block_size=block_size,
