@@ -44,12 +44,14 @@ SMALL_CACHE = dict(num_blocks=16, block_size=4, staging_depth=3, staging_capacit
 def small_cache_bytes(row_bytes: dict[str, int], deferred: frozenset[str] = frozenset()) -> int:
     """The host memory keys of these row widths hold in a `small_cache` (what its host budget
     counts): a pool row per slot, staging pages for each key not ``deferred`` (page-locked
-    size where CUDA pins them), and the ledger's columns of each key."""
+    size where CUDA pins them), the ledger's columns of each key, and the most rows kept
+    aside for late reads (``max_preserved_rows``, its default, of the widest key's)."""
     slots = SMALL_CACHE["num_blocks"] * SMALL_CACHE["block_size"]
     page_rows = SMALL_CACHE["staging_depth"] * SMALL_CACHE["staging_capacity_tokens"]
     columns = Ledger(slots, SMALL_CACHE["block_size"]).key_column_bytes
     pages = sum(footprint(page_rows * size, pinned_available()) for k, size in row_bytes.items() if k not in deferred)
-    return slots * sum(row_bytes.values()) + pages + len(row_bytes) * columns
+    preserved = CacheConfig(num_blocks=1, block_size=1).max_preserved_rows * max(row_bytes.values())
+    return slots * sum(row_bytes.values()) + pages + len(row_bytes) * columns + preserved
 
 
 def small_cache(**overrides) -> PrefixCache:

@@ -57,9 +57,8 @@ def test_a_new_key_past_the_budget_leaves_the_cached_keys_serving_hits() -> None
         cache.begin_step(StepEvents(new=[NewRequest("b", [0, 2], num_computed_tokens=4)], finished=["a"]))
         b_batch = StepBatch(["b"], [2], slots_of([0, 2], 4, 2, BS))
         refused = (
-            r"this step's new keys would need .* \('extra' rows \(\) float32: [\d.]+ KiB; ledger columns: "
-            r"[\d.]+ KiB\) beside the [\d.]+ KiB the cache holds \('hidden': [\d.]+ KiB, 'codes': [\d.]+ KiB; "
-            r"ledger columns: [\d.]+ KiB\), past CacheConfig\.host_budget_bytes"
+            r"past CacheConfig\.host_budget_bytes: .*\. New keys \(pool and staging pages\): 'extra' rows \(\) "
+            r"float32: [\d.]+ KiB\. Keys held: 'hidden': [\d.]+ KiB, 'codes': [\d.]+ KiB\. Ledger columns: "
         )
         with pytest.raises(ConfigError, match=refused):
             cache.save(torch.randn(2, 4), {"extra": torch.zeros(2)}, b_batch)

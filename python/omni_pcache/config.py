@@ -47,7 +47,8 @@ class CacheConfig:
     page-lock 16 GiB) and allocates it on the engine thread at the key's first save.
 
     ``host_budget_bytes``: the most host memory all keys may hold: each key's pool, staging
-    pages (page-locked sizes where pinned) and ledger columns (`host_budget.HostBudget`). A save
+    pages (page-locked sizes where pinned) and ledger columns, and the most rows kept aside
+    (``max_preserved_rows`` of the widest key's; `host_budget.HostBudget`). A save
     that brings keys whose storage would pass it raises `ConfigError` before allocating
     anything, and caches nothing of that step.
     ``None`` (the default) takes this host's memory, the smaller of its physical memory and

@@ -1,7 +1,8 @@
 """The cache's host-memory budget (`CacheConfig.host_budget_bytes`): what its keys hold on the
-host (each key's pool, an immediate key's staging pages, and the ledger's columns per key)
-may not pass it. Checked when a save brings keys never registered before, the only time the
-cache's host memory grows, before their ledger columns, pool or pages are allocated.
+host (each key's pool, an immediate key's staging pages, the ledger's columns per key, and
+the most rows kept aside for late reads: ``max_preserved_rows`` of the widest key's) may not
+pass it. Checked when a save brings keys never registered before, the only time what the
+cache can hold grows, before their ledger columns, pool or pages are allocated.
 
 Engine thread only (`KeyRegistry.register`, from `PrefixCache.save`).
 """
@@ -29,6 +30,7 @@ class HostBudget:
         pages: StagingPages,
         ledger: Ledger,
         deferred: frozenset[str],
+        max_preserved_rows: int,
     ) -> None:
         self._limit = limit
         self._limit_name = limit_name
@@ -36,6 +38,10 @@ class HostBudget:
         self._pages = pages
         self._ledger = ledger
         self._deferred = deferred  # (keys kept on the device until finish: no staging pages)
+        self._max_preserved_rows = max_preserved_rows
+        # The widest row of any key admitted (kept after a key is forgotten: an over-estimate,
+        # as a refused save's keys are rare, never an under-estimate).
+        self._widest_row = 0
 
     def check(self, new: Sequence[KeySpec], new_columns: int) -> None:
         """Raises `ConfigError` when the ``new`` keys' storage (and ``new_columns`` more ledger
@@ -51,18 +57,22 @@ class HostBudget:
             + (0 if spec.name in self._deferred else self._pages.footprint(spec))
             for spec in new
         }
-        held_total = sum(held.values()) + self._ledger.num_keys * column_bytes
-        new_total = sum(needs.values()) + new_columns * column_bytes
-        if held_total + new_total <= self._limit:
+        columns = (self._ledger.num_keys + new_columns) * column_bytes
+        widest = max(self._widest_row, *(spec.row_bytes for spec in new))
+        preserved = self._max_preserved_rows * widest
+        total = sum(held.values()) + sum(needs.values()) + columns + preserved
+        if total <= self._limit:
+            self._widest_row = widest
             return
         listed = ", ".join(f"{what}: {_size(nbytes)}" for what, nbytes in needs.items())
-        holding = ", ".join(f"{name!r}: {_size(nbytes)}" for name, nbytes in held.items()) or "no key yet"
+        holding = ", ".join(f"{name!r}: {_size(nbytes)}" for name, nbytes in held.items()) or "none"
         raise ConfigError(
-            f"this step's new keys would need {_size(new_total)} of host memory ({listed}; ledger columns: "
-            f"{_size(new_columns * column_bytes)}) beside the {_size(held_total)} the cache holds ({holding}; "
-            f"ledger columns: {_size(self._ledger.num_keys * column_bytes)}), past {self._limit_name}: "
-            f"{_size(self._limit)}; cache fewer keys (CachePolicy), lower num_blocks, or raise "
-            "CacheConfig.host_budget_bytes"
+            f"this step's new keys would bring the cache's host memory to {_size(total)} ({total:,} bytes), "
+            f"past {self._limit_name}: {_size(self._limit)} ({self._limit:,} bytes). "
+            f"New keys (pool and staging pages): {listed}. Keys held: {holding}. "
+            f"Ledger columns: {_size(columns)}. Rows kept aside for late reads, at most: {_size(preserved)} "
+            "(max_preserved_rows of the widest row). "
+            "Cache fewer keys (CachePolicy), lower num_blocks, or raise CacheConfig.host_budget_bytes"
         )
 
 
