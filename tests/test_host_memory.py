@@ -32,6 +32,7 @@ def test_keys_that_each_fit_the_host_but_not_together_are_refused_before_allocat
         wide = torch.zeros(4, width)
         with pytest.raises(ConfigError) as err:
             cache.save(wide, {"codes": wide}, batch)
+        assert cache.stats().host_budget_bytes == limit
         message = str(err.value)
         assert f"'hidden' rows ({width},) float32" in message and f"'codes' rows ({width},) float32" in message
         assert "past this host's memory (CacheConfig.host_budget_bytes=None)" in message
@@ -47,7 +48,9 @@ def test_a_new_key_past_the_budget_leaves_the_cached_keys_serving_hits() -> None
     out and brings a key that needs less than codes holds is still refused (codes' storage is
     held), the error names the new key and what the cache holds, the keys held stay as they
     were, and a hit on the first step's rows still gets them back."""
-    with small_cache(host_budget_bytes=small_cache_bytes({"hidden": 16, "codes": 128})) as cache:
+    budget = small_cache_bytes({"hidden": 16, "codes": 128})
+    with small_cache(host_budget_bytes=budget) as cache:
+        assert cache.stats().host_budget_bytes == budget
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
         a_hidden, a_codes = torch.randn(8, 4), torch.randn(8, 32)
         step = cache.save(a_hidden, {"codes": a_codes}, StepBatch(["a"], [8], slots_of([0, 1], 0, 8, BS)))

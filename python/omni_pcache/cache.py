@@ -92,10 +92,10 @@ class PrefixCache:
             limit, limit_name = host_memory_limit(), "this host's memory (CacheConfig.host_budget_bytes=None)"
         else:
             limit, limit_name = config.host_budget_bytes, "CacheConfig.host_budget_bytes"
-        budget = HostBudget(
+        self._budget = HostBudget(
             limit, limit_name, self._pool, self._pages, self._ledger, policy.deferred_keys, config.max_preserved_rows
         )
-        self._keys = KeyRegistry(policy, self._ledger.add_key, budget.check)
+        self._keys = KeyRegistry(policy, self._ledger.add_key, self._budget.check)
         self._storage = KeyStorage(self._pool, self._pages, self._writer.bytes_written)
         self._inline = InlineWrites(config, self._writer, weakly(self._on_write_failure), weakly(self._failure_or_none))
         self._counters = Counters()
@@ -547,6 +547,7 @@ class PrefixCache:
             deferred_open=len(self._deferred.open),
             requests_live=self._requests_live,
             reads_pending=self._ledger.num_pending_reads,
+            host_budget_bytes=self._budget.limit,
         )
 
 

@@ -43,6 +43,11 @@ class HostBudget:
         # as a refused save's keys are rare, never an under-estimate).
         self._widest_row = 0
 
+    @property
+    def limit(self) -> int | None:
+        """The budget in bytes (``None``: none known)."""
+        return self._limit
+
     def check(self, new: Sequence[KeySpec], new_columns: int) -> None:
         """Raises `ConfigError` when the ``new`` keys' storage (and ``new_columns`` more ledger
         columns: a forgotten key's are reused) would take what the cache holds past the limit."""

@@ -28,7 +28,9 @@ class CacheStats:
     the last `begin_step`): one that only grows means finished or
     aborted ids are not reaching the cache. ``reads_pending`` counts the hit reads (one per hit
     and key) planned at `save` and not yet served or released: 0 once every step id is
-    consumed by `materialize` or `discard`.
+    consumed by `materialize` or `discard`. ``host_budget_bytes`` is the host memory the
+    cache's keys may hold (`CacheConfig.host_budget_bytes` as resolved: by default this host's
+    memory, or a data-parallel replica's share of it; ``None`` where it is not known).
     """
 
     hits: int = 0
@@ -50,6 +52,7 @@ class CacheStats:
     deferred_open: int = 0
     requests_live: int = 0
     reads_pending: int = 0
+    host_budget_bytes: int | None = None
 
 
 class Counters:
