@@ -313,7 +313,7 @@ def test_pool_storage_is_allocated_on_first_sight_and_logged_once(caplog: pytest
     pool_logs = [r.getMessage() for r in caplog.records if "host pool" in r.getMessage()]
     assert pool_logs == [  # (pageable by default, CUDA or not: CacheConfig.pin_pool)
         "host pool for 'hidden' rows (512,) float32: 1024 slots, 2.0 MiB",
-        "host pool for 'audio' rows (4, 2) bfloat16: 1024 slots, 0.0 MiB",
+        "host pool for 'audio' rows (4, 2) bfloat16: 1024 slots, 16.0 KiB",
     ]
 
 

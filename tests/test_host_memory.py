@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cachekit import slots_of, small_cache, small_cache_bytes
-from omni_pcache import CacheConfig, CachePolicy, ConfigError, NewRequest, StepBatch, StepEvents
+from omni_pcache import CacheConfig, CachePolicy, ConfigError, InvalidInputError, NewRequest, StepBatch, StepEvents
 from omni_pcache.host_memory import cgroup_memory_limit, footprint, host_memory_limit, physical_memory
 
 BS = 4  # (small_cache: 16 blocks of 4 slots, 3 staging pages of 64 rows)
@@ -94,6 +94,29 @@ def test_a_deferred_key_is_budgeted_without_staging_pages() -> None:
                     cache.save(hidden, {"feat": feat}, batch)
 
 
+def test_a_forgotten_keys_ledger_columns_are_reused_not_counted_again() -> None:
+    """A save refused after its key registered (its pool's allocation fails once, injected)
+    leaves that key's ledger columns to the next new key: a budget of exactly one key's
+    storage still admits the retry."""
+    with small_cache(host_budget_bytes=small_cache_bytes({"hidden": 8})) as cache:
+        ensure, calls = cache._pool.ensure, []
+
+        def fail_once(spec):
+            calls.append(spec.name)
+            if len(calls) == 1:
+                raise MemoryError("injected: no host memory")
+            ensure(spec)
+
+        cache._pool.ensure = fail_once
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
+        batch = StepBatch(["a"], [4], slots_of([0], 0, 4, BS))
+        with pytest.raises(InvalidInputError, match="its host pool cannot be allocated"):
+            cache.save(torch.zeros(4, 2), None, batch)
+        hidden = torch.randn(4, 2)
+        assert torch.equal(cache.materialize(cache.save(hidden, None, batch), ["a"]).hidden["a"], hidden)
+        assert calls == ["hidden", "hidden"]
+
+
 def test_the_budget_must_be_none_or_a_byte_count() -> None:
     for value in (-1, True, 1.5, "1GiB"):
         with pytest.raises(ConfigError, match=f"host_budget_bytes must be None or an int >= 0, got {value!r}"):
@@ -111,8 +134,9 @@ def test_the_tightest_limit_of_a_v2_group_and_its_ancestors_is_read(tmp_path: Pa
     write(proc / "self" / "cgroup", "0::/pods/pod1/ctr\n")
     write(root / "pods" / "pod1" / "ctr" / "memory.max", "max\n")  # (no limit of its own)
     write(root / "pods" / "pod1" / "memory.max", f"{8 << 30}\n")
-    write(root / "pods" / "memory.max", f"{64 << 30}\n")
-    assert cgroup_memory_limit(proc, root) == 8 << 30
+    write(root / "pods" / "memory.max", f"{4 << 30}\n")  # (an ancestor's tighter limit binds too)
+    write(root / "memory.max", f"{64 << 30}\n")
+    assert cgroup_memory_limit(proc, root) == 4 << 30
     # (a group outside the namespace: neither it nor what its ".." lead to is read)
     write(proc / "self" / "cgroup", "0::/../../other/ctr\n")
     write(root / "memory.max", f"{32 << 30}\n")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from omni_pcache.errors import InvalidInputError
-from omni_pcache.host_memory import footprint
+from omni_pcache.host_memory import footprint, size_text
 
 INLINE_COPY_BYTES = 256 * 1024
 """CPU sources smaller than this are copied inside save; larger ones by the committer."""
@@ -47,10 +47,10 @@ def held_bytes(tensor: torch.Tensor) -> str:
     page-locked size torch's caching host allocator rounds it up to (the next power of two;
     kept in torch's cache, not returned to the system, when the tensor is freed)."""
     nbytes = tensor.numel() * tensor.element_size()
-    text = f"{nbytes / 2**20:.1f} MiB"
+    text = size_text(nbytes)
     if tensor.is_pinned() and nbytes > 0:
         locked = footprint(nbytes, pinned=True)
-        text += f" (pinned: {locked / 2**20:.1f} MiB page-locked)" if locked != nbytes else " (pinned)"
+        text += f" (pinned: {size_text(locked)} page-locked)" if locked != nbytes else " (pinned)"
     return text
 
 

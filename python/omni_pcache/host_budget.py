@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from omni_pcache._native import Ledger
 from omni_pcache.errors import ConfigError
+from omni_pcache.host_memory import footprint, size_text
 from omni_pcache.keys import KeySpec
 from omni_pcache.pages import StagingPages
 from omni_pcache.pool import HostPool
@@ -54,12 +55,14 @@ class HostBudget:
         if self._limit is None:
             return
         column_bytes = self._ledger.key_column_bytes
-        held = self._pool.footprints()
-        for name, nbytes in self._pages.footprints().items():
-            held[name] = held.get(name, 0) + nbytes
+        pool, pages = self._pool, self._pages  # (pinned storage at its page-locked size: `footprint`)
+        held: dict[str, int] = {}
+        for store in (pool, pages):
+            for name, nbytes in store.nbytes().items():
+                held[name] = held.get(name, 0) + footprint(nbytes, store.pinned)
         needs = {
-            spec.describe(): self._pool.footprint(spec)
-            + (0 if spec.name in self._deferred else self._pages.footprint(spec))
+            spec.describe(): footprint(pool.bytes_for(spec), pool.pinned)
+            + (0 if spec.name in self._deferred else footprint(pages.bytes_for(spec), pages.pinned))
             for spec in new
         }
         columns = (self._ledger.num_keys + new_columns) * column_bytes
@@ -69,23 +72,16 @@ class HostBudget:
         if total <= self._limit:
             self._widest_row = widest
             return
-        listed = ", ".join(f"{what}: {_size(nbytes)}" for what, nbytes in needs.items())
-        holding = ", ".join(f"{name!r}: {_size(nbytes)}" for name, nbytes in held.items()) or "none"
+        listed = ", ".join(f"{what}: {size_text(nbytes)}" for what, nbytes in needs.items())
+        holding = ", ".join(f"{name!r}: {size_text(nbytes)}" for name, nbytes in held.items()) or "none"
         raise ConfigError(
-            f"this step's new keys would bring the cache's host memory to {_size(total)} ({total:,} bytes), "
-            f"past {self._limit_name}: {_size(self._limit)} ({self._limit:,} bytes). "
+            f"this step's new keys would bring the cache's host memory to {size_text(total)} ({total:,} bytes), "
+            f"past {self._limit_name}: {size_text(self._limit)} ({self._limit:,} bytes). "
             f"New keys (pool and staging pages): {listed}. Keys held: {holding}. "
-            f"Ledger columns: {_size(columns)}. Rows kept aside for late reads, at most: {_size(preserved)} "
+            f"Ledger columns: {size_text(columns)}. Rows kept aside for late reads, at most: {size_text(preserved)} "
             "(max_preserved_rows of the widest row). "
             "Cache fewer keys (CachePolicy), lower num_blocks, or raise CacheConfig.host_budget_bytes"
         )
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes / 2**10:.1f} KiB"
 
 
 __all__ = ["HostBudget"]

@@ -70,10 +70,18 @@ def host_memory_limit() -> int | None:
     return min(known, default=None)
 
 
+def size_text(nbytes: int) -> str:
+    """``nbytes`` for a message or log line: in GiB, MiB or KiB, one decimal."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 2**10:.1f} KiB"
+
+
 def footprint(nbytes: int, pinned: bool) -> int:
     """The host memory a tensor of ``nbytes`` holds: torch's caching pinned allocator rounds
     a pinned allocation up to the next power of two."""
     return 1 << (nbytes - 1).bit_length() if pinned and nbytes > 0 else nbytes
 
 
-__all__ = ["cgroup_memory_limit", "footprint", "host_memory_limit", "physical_memory"]
+__all__ = ["cgroup_memory_limit", "footprint", "host_memory_limit", "physical_memory", "size_text"]

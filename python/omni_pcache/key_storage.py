@@ -18,7 +18,7 @@ from omni_pcache.pool import HostPool
 
 class KeyStorage:
     """Allocates and frees the pool storage and staging pages of keys (within the host budget,
-    which `KeyRegistry.register` checks first: `host_memory.HostBudget`). ``bytes_written`` is
+    which `KeyRegistry.register` checks first: `host_budget.HostBudget`). ``bytes_written`` is
     the pool writer's per-key count (`PoolWriter.bytes_written`), which lists every key from
     its allocation on."""
 
@@ -29,8 +29,8 @@ class KeyStorage:
 
     def make_room(self, keys: StepKeys) -> None:
         """Pool storage for every key of a new key set, and staging room for its immediate ones
-        (`KeyRegistry.step_keys`' ``prepare``). Storage that cannot be allocated (a row too wide
-        for the host) is an `InvalidInputError`."""
+        (`KeyRegistry.step_keys`' ``prepare``). Storage the allocator refuses though the host
+        budget admitted it (a budget set past the host) is an `InvalidInputError`."""
         for spec in keys.specs:
             _allocate(spec, "host pool", self._pool.ensure)
             self._bytes_written.setdefault(spec.name, 0)  # (listed from the start, 0 until written)

@@ -82,10 +82,10 @@ def _is_per_token(value: Any, n: int, n_padded: int) -> bool:
 
 class KeyRegistry:
     """Classifies mm entries and remembers each key's spec. ``add_key`` registers a new key in
-    the ledger and returns its id; ``check_room(new_specs, new_ledger_columns)``, when given,
-    refuses new keys the host cannot hold (`host_budget.HostBudget.check`) before any is."""
+    the ledger and returns its id; ``check_room(new_specs, new_ledger_columns)`` refuses new
+    keys the host cannot hold (`host_budget.HostBudget.check`) before any is registered."""
 
-    def __init__(self, policy: CachePolicy, add_key, check_room=None) -> None:
+    def __init__(self, policy: CachePolicy, add_key, check_room) -> None:
         self._policy = policy
         self._add_key = add_key
         self._check_room = check_room
@@ -169,7 +169,7 @@ class KeyRegistry:
             for name, rows in cached.items():
                 spec = self._specs.get(name)
                 if spec is None:
-                    if not added and self._check_room is not None:  # (the step's first new key: all of them)
+                    if not added:  # (the step's first new key: all of them, before any registers)
                         self._check_new_keys(cached)
                     spec = self._spec_for(name, rows)  # (InvalidInputError: no ledger columns for it)
                     added.append(name)

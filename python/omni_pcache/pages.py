@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from omni_pcache.copy_engine import empty_host, held_bytes, pinned_available
-from omni_pcache.host_memory import footprint
 from omni_pcache.keys import KeySpec
 from omni_pcache.pool import row_bytes_view
 
@@ -78,11 +77,11 @@ class StagingPages:
         with self._lock:
             return {k: t.numel() * t.element_size() for k, t in self._pages.items()}
 
-    def footprint(self, spec: KeySpec) -> int:
-        """The host memory the key's pages hold once allocated (`host_memory.footprint`)."""
-        return footprint(self._depth * self._capacity * spec.row_bytes, pinned_available())
+    def bytes_for(self, spec: KeySpec) -> int:
+        """Bytes the key's pages take (as `nbytes` will list them)."""
+        return self._depth * self._capacity * spec.row_bytes
 
-    def footprints(self) -> dict[str, int]:
-        """The host memory each key's pages hold now."""
-        pinned = pinned_available()
-        return {name: footprint(nbytes, pinned) for name, nbytes in self.nbytes().items()}
+    @property
+    def pinned(self) -> bool:
+        """Whether the pages are page-locked (where CUDA is available)."""
+        return pinned_available()

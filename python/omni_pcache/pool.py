@@ -17,7 +17,6 @@ import torch
 
 from omni_pcache._native import scatter_rows
 from omni_pcache.copy_engine import empty_host, held_bytes, pinned_available
-from omni_pcache.host_memory import footprint
 from omni_pcache.keys import KeySpec
 
 logger = logging.getLogger("omni_pcache")
@@ -107,11 +106,11 @@ class HostPool:
         with self._lock:
             return {k: t.numel() * t.element_size() for k, t in self._rows.items()}
 
-    def footprint(self, spec: KeySpec) -> int:
-        """The host memory the key's storage holds once allocated (`host_memory.footprint`)."""
-        return footprint(self._num_slots * spec.row_bytes, self._pinned and pinned_available())
+    def bytes_for(self, spec: KeySpec) -> int:
+        """Bytes the key's storage takes (as `nbytes` will list them)."""
+        return self._num_slots * spec.row_bytes
 
-    def footprints(self) -> dict[str, int]:
-        """The host memory each key's storage holds now."""
-        pinned = self._pinned and pinned_available()
-        return {name: footprint(nbytes, pinned) for name, nbytes in self.nbytes().items()}
+    @property
+    def pinned(self) -> bool:
+        """Whether the storage is page-locked (``pin_pool``, where CUDA is available)."""
+        return self._pinned and pinned_available()
