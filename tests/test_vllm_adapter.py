@@ -761,6 +761,44 @@ def test_the_mixin_is_a_no_op_on_other_ranks(rank) -> None:
     runner.pcache_shutdown()
 
 
+def test_the_mixin_warns_at_init_when_the_hidden_pool_alone_passes_the_budget(caplog) -> None:
+    """The hidden states' pool (a row of the model's hidden size per KV slot) is known at KV-cache
+    init: past the host budget, the output rank warns then, before any request, naming its size
+    and what to change. Within it, off the output rank, or with a dtype not yet resolved, it
+    says nothing."""
+    budget = 1 << 30
+    slots = T.KVCacheConfig(
+        num_blocks=1 << 18, kv_cache_tensors=[], kv_cache_groups=stage_configs(T)["kv_cache_config"].kv_cache_groups
+    )
+    cases = [  # (hidden size, dtype, output rank, warned): 1M slots (blocks of 4) x 1,024 bf16 = 2 GiB
+        (1024, torch.bfloat16, True, True),
+        (256, torch.bfloat16, True, False),
+        (1024, torch.bfloat16, False, False),
+        (1024, "auto", True, False),
+    ]
+    for hidden_size, dtype, output, warned in cases:
+        caplog.clear()
+        runner = Runner("scheduler", "inline")
+        configs = stage_configs(T) | {
+            "kv_cache_config": slots,
+            "model_config": v.ModelConfig(hidden_size=hidden_size, dtype=dtype),
+        }
+        with caplog.at_level("WARNING", logger="omni_pcache"):
+            assert runner.pcache_init(
+                **configs,
+                is_last_pipeline_stage=True,
+                tensor_parallel_rank=0 if output else 1,
+                host_budget_bytes=budget,
+            )
+        messages = [r.getMessage() for r in caplog.records]
+        if warned:
+            assert len(messages) == 1 and "hidden states' host pool alone would take 2.0 GiB" in messages[0]
+            assert "hidden size 1024, bfloat16" in messages[0] and "past the host budget of 1.0 GiB" in messages[0]
+        else:
+            assert messages == [], (hidden_size, dtype, output)
+        runner.pcache_shutdown()
+
+
 def test_the_mixin_does_nothing_without_a_cache() -> None:
     class R(PrefixCacheRunnerMixin):
         pass

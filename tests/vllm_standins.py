@@ -172,6 +172,11 @@ class ModelConfig:
     max_model_len: int = 4096
     runner_type: str = "generate"
     is_diffusion: bool = False  # (vLLM's is a cached property of the HF config: a canvas_length)
+    hidden_size: int = 64
+    dtype: Any = "auto"  # (vLLM resolves "auto" to a torch dtype at engine start)
+
+    def get_hidden_size(self) -> int:
+        return self.hidden_size
 
 
 @dataclass

@@ -22,6 +22,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from omni_pcache.config import CacheConfig
 from omni_pcache.errors import ConfigError
 from omni_pcache.host_memory import host_memory_limit
@@ -214,6 +216,17 @@ def steps_in_flight(scheduler_config: Any, parallel_config: Any) -> int:
 
 def _refuse(what: str, change: str, reason: str) -> ConfigError:
     return ConfigError(f"omni_pcache cannot serve {what}: {REFUSALS[reason]}. Change: {change}.")
+
+
+def hidden_pool_bytes(config: CacheConfig, model_config: Any) -> int | None:
+    """The host pool the hidden states will take: a row of the model's hidden size
+    (``model_config.get_hidden_size()``) in its dtype per KV slot; ``None`` where the model
+    config does not say (no model config, a dtype not yet resolved)."""
+    get_hidden_size = getattr(model_config, "get_hidden_size", None)
+    dtype = getattr(model_config, "dtype", None)
+    if get_hidden_size is None or not isinstance(dtype, torch.dtype):
+        return None
+    return config.num_slots * int(get_hidden_size()) * dtype.itemsize
 
 
 def local_replicas(parallel_config: Any) -> int:

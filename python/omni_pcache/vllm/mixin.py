@@ -32,6 +32,7 @@ block tracking. The mixin defines no ``__init__``: its state lives in ``_pcache_
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,11 +41,14 @@ from omni_pcache.cache import PrefixCache
 from omni_pcache.config import CacheConfig, CachePolicy
 from omni_pcache.errors import ConfigError, StepIdError, WriteFailedError
 from omni_pcache.events import StepOutputs
+from omni_pcache.host_memory import host_memory_limit, size_text
 from omni_pcache.stats import CacheStats
-from omni_pcache.vllm.gate import cache_config_from_vllm, steps_in_flight
+from omni_pcache.vllm.gate import cache_config_from_vllm, hidden_pool_bytes, steps_in_flight
 from omni_pcache.vllm.ranks import NoOpCache, is_output_rank
 from omni_pcache.vllm.tracker import BlockTracker
 from omni_pcache.vllm.translate import step_batch, step_events
+
+logger = logging.getLogger("omni_pcache")
 
 
 @dataclass
@@ -57,6 +61,25 @@ class PcacheState:
     policy: CachePolicy | None = None
     cache: PrefixCache | NoOpCache | None = None
     tracker: BlockTracker = field(default_factory=BlockTracker)
+
+
+def _warn_if_hidden_past_budget(config: CacheConfig, model_config: Any) -> None:
+    """Warns at KV-cache init, before any request, when the hidden states' pool alone would
+    pass the host budget (`hidden_pool_bytes`): the first save will then raise `ConfigError`.
+    A warning, not a refusal: a runner may save hidden states of another width."""
+    pool = hidden_pool_bytes(config, model_config)
+    budget = host_memory_limit() if config.host_budget_bytes is None else config.host_budget_bytes
+    if pool is not None and budget is not None and pool > budget:
+        logger.warning(
+            "omni_pcache: the hidden states' host pool alone would take %s (%d KV slots x hidden size %d, %s), "
+            "past the host budget of %s: the first save will raise ConfigError; cap vLLM's blocks "
+            "(num_gpu_blocks_override) or set host_budget_bytes",
+            size_text(pool),
+            config.num_slots,
+            model_config.get_hidden_size(),
+            str(model_config.dtype).removeprefix("torch."),
+            size_text(budget),
+        )
 
 
 class PrefixCacheRunnerMixin:
@@ -109,6 +132,8 @@ class PrefixCacheRunnerMixin:
         )
         tracker = BlockTracker(steps_in_flight(scheduler_config, parallel_config))
         self._pcache_state = PcacheState(config, output, self._pcache_policy, tracker=tracker)
+        if output and (self._pcache_policy or CachePolicy()).cache_hidden:
+            _warn_if_hidden_past_budget(config, model_config)
         return True
 
     def pcache_load_policy(self, policy: CachePolicy | None) -> None:
