@@ -54,6 +54,21 @@ def small_cache_bytes(row_bytes: dict[str, int], deferred: frozenset[str] = froz
     return slots * sum(row_bytes.values()) + pages + len(row_bytes) * columns + preserved
 
 
+def fail_first_pool_allocation(cache: PrefixCache) -> list[str]:
+    """Makes the cache's first pool allocation raise `MemoryError` (later ones allocate);
+    returns the list of key names each allocation is asked for, as they are asked."""
+    ensure, calls = cache._pool.ensure, []
+
+    def fail_once(spec) -> None:
+        calls.append(spec.name)
+        if len(calls) == 1:
+            raise MemoryError("injected: no host memory")
+        ensure(spec)
+
+    cache._pool.ensure = fail_once
+    return calls
+
+
 def small_cache(**overrides) -> PrefixCache:
     cfg = dict(SMALL_CACHE)
     cfg.update(overrides)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from cachekit import describe, rows, slots_of, small_cache, start_thread
+from cachekit import describe, fail_first_pool_allocation, rows, slots_of, small_cache, start_thread
 from omni_pcache import (
     CacheClosedError,
     CachePolicy,
@@ -178,15 +178,7 @@ def test_a_save_that_cannot_make_room_for_a_new_key_raises_and_the_next_save_tri
     # Pool storage for a key is made at the first save that shows it; if that fails, the save
     # raises having held nothing, and the next save makes the room (it is not remembered as made).
     with small_cache() as cache:
-        ensure, calls = cache._pool.ensure, []
-
-        def fail_once(spec):
-            calls.append(spec.name)
-            if len(calls) == 1:
-                raise MemoryError("injected: no host memory")
-            ensure(spec)
-
-        cache._pool.ensure = fail_once
+        calls = fail_first_pool_allocation(cache)
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
         refused = r"'hidden' rows \(2,\) float32: its host pool cannot be allocated"
         with pytest.raises(InvalidInputError, match=refused) as err:

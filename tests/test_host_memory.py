@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from cachekit import slots_of, small_cache, small_cache_bytes
+from cachekit import fail_first_pool_allocation, slots_of, small_cache, small_cache_bytes
 from omni_pcache import CacheConfig, CachePolicy, ConfigError, InvalidInputError, NewRequest, StepBatch, StepEvents
 from omni_pcache.host_memory import cgroup_memory_limit, footprint, host_memory_limit, physical_memory
 
@@ -99,15 +99,7 @@ def test_a_forgotten_keys_ledger_columns_are_reused_not_counted_again() -> None:
     leaves that key's ledger columns to the next new key: a budget of exactly one key's
     storage still admits the retry."""
     with small_cache(host_budget_bytes=small_cache_bytes({"hidden": 8})) as cache:
-        ensure, calls = cache._pool.ensure, []
-
-        def fail_once(spec):
-            calls.append(spec.name)
-            if len(calls) == 1:
-                raise MemoryError("injected: no host memory")
-            ensure(spec)
-
-        cache._pool.ensure = fail_once
+        calls = fail_first_pool_allocation(cache)
         cache.begin_step(StepEvents(new=[NewRequest("a", [0])]))
         batch = StepBatch(["a"], [4], slots_of([0], 0, 4, BS))
         with pytest.raises(InvalidInputError, match="its host pool cannot be allocated"):
