@@ -346,3 +346,16 @@ fn a_settled_task_gives_its_handle_back_for_the_next() {
     l.claim(&[2i64], k, T2).unwrap();
     assert_eq!(l.handles.allocated(), 2);
 }
+
+#[test]
+fn key_column_bytes_is_what_one_more_key_holds() {
+    // 1,024 slots in 64 blocks of 16: 16 bytes per slot (owner, version, readers), one 64-bit
+    // word of whole-block bits, and a 16-byte summary per block.
+    let l = Ledger::new(1024, 16).unwrap();
+    assert_eq!(l.key_column_bytes(), 1024 * 16 + 8 + 64 * 16);
+    // (a partial last block has a summary too: 1,000 slots in 63 blocks)
+    assert_eq!(
+        Ledger::new(1000, 16).unwrap().key_column_bytes(),
+        1000 * 16 + 8 + 63 * 16
+    );
+}
