@@ -47,7 +47,6 @@ from omni_pcache.errors import (
 from omni_pcache.events import NewRequest, ResumedRequest, StepBatch, StepEvents, StepOutputs
 from omni_pcache.failure import release_everything, write_failed_error
 from omni_pcache.host_budget import HostBudget
-from omni_pcache.host_memory import host_memory_limit
 from omni_pcache.inline_writes import InlineWrites
 from omni_pcache.key_storage import KeyStorage
 from omni_pcache.keys import KeyRegistry, row_bytes
@@ -88,13 +87,7 @@ class PrefixCache:
         self._writer = PoolWriter(
             self._tasks, self._ledger, self._staging, self._pool, self._preserved, self._cond, self._pages
         )
-        if config.host_budget_bytes is None:  # (the host's memory: a pool past it is killed, not refused)
-            limit, limit_name = host_memory_limit(), "this host's memory (CacheConfig.host_budget_bytes=None)"
-        else:
-            limit, limit_name = config.host_budget_bytes, "CacheConfig.host_budget_bytes"
-        self._budget = HostBudget(
-            limit, limit_name, self._pool, self._pages, self._ledger, policy.deferred_keys, config.max_preserved_rows
-        )
+        self._budget = HostBudget(config, policy.deferred_keys, self._pool, self._pages, self._ledger)
         self._keys = KeyRegistry(policy, self._ledger.add_key, self._budget.check)
         self._storage = KeyStorage(self._pool, self._pages, self._writer.bytes_written)
         self._inline = InlineWrites(config, self._writer, weakly(self._on_write_failure), weakly(self._failure_or_none))

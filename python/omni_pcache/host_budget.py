@@ -12,34 +12,36 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from omni_pcache._native import Ledger
+from omni_pcache.config import CacheConfig
 from omni_pcache.errors import ConfigError
-from omni_pcache.host_memory import footprint, size_text
+from omni_pcache.host_memory import footprint, host_memory_limit, size_text
 from omni_pcache.keys import KeySpec
 from omni_pcache.pages import StagingPages
 from omni_pcache.pool import HostPool
 
 
+def budget_limit(config: CacheConfig) -> tuple[int | None, str]:
+    """The budget of a cache of ``config`` in bytes (``None``: none known) and where it came
+    from, for messages: ``host_budget_bytes``, else this host's memory (a pool past it would
+    be killed for memory, not refused)."""
+    if config.host_budget_bytes is None:
+        return host_memory_limit(), "this host's memory (CacheConfig.host_budget_bytes=None)"
+    return config.host_budget_bytes, "CacheConfig.host_budget_bytes"
+
+
 class HostBudget:
-    """Refuses new keys past ``limit`` bytes (``None``: none known, nothing refused);
-    ``limit_name`` says where the limit came from, for the error."""
+    """Refuses new keys past the budget of ``config`` (`budget_limit`; none known: nothing
+    refused); ``deferred`` names the keys without staging pages."""
 
     def __init__(
-        self,
-        limit: int | None,
-        limit_name: str,
-        pool: HostPool,
-        pages: StagingPages,
-        ledger: Ledger,
-        deferred: frozenset[str],
-        max_preserved_rows: int,
+        self, config: CacheConfig, deferred: frozenset[str], pool: HostPool, pages: StagingPages, ledger: Ledger
     ) -> None:
-        self._limit = limit
-        self._limit_name = limit_name
+        self._limit, self._limit_name = budget_limit(config)
         self._pool = pool
         self._pages = pages
         self._ledger = ledger
         self._deferred = deferred  # (keys kept on the device until finish: no staging pages)
-        self._max_preserved_rows = max_preserved_rows
+        self._max_preserved_rows = config.max_preserved_rows
         # The widest row of any key admitted (kept after a key is forgotten: an over-estimate,
         # as a refused save's keys are rare, never an under-estimate).
         self._widest_row = 0
@@ -84,4 +86,4 @@ class HostBudget:
         )
 
 
-__all__ = ["HostBudget"]
+__all__ = ["HostBudget", "budget_limit"]

@@ -41,7 +41,8 @@ from omni_pcache.cache import PrefixCache
 from omni_pcache.config import CacheConfig, CachePolicy
 from omni_pcache.errors import ConfigError, StepIdError, WriteFailedError
 from omni_pcache.events import StepOutputs
-from omni_pcache.host_memory import host_memory_limit, size_text
+from omni_pcache.host_budget import budget_limit
+from omni_pcache.host_memory import size_text
 from omni_pcache.stats import CacheStats
 from omni_pcache.vllm.gate import cache_config_from_vllm, hidden_pool_bytes, steps_in_flight
 from omni_pcache.vllm.ranks import NoOpCache, is_output_rank
@@ -68,7 +69,7 @@ def _warn_if_hidden_past_budget(config: CacheConfig, model_config: Any) -> None:
     pass the host budget (`hidden_pool_bytes`): the first save will then raise `ConfigError`.
     A warning, not a refusal: a runner may save hidden states of another width."""
     pool = hidden_pool_bytes(config, model_config)
-    budget = host_memory_limit() if config.host_budget_bytes is None else config.host_budget_bytes
+    budget, _ = budget_limit(config)
     if pool is not None and budget is not None and pool > budget:
         logger.warning(
             "omni_pcache: the hidden states' host pool alone would take %s (%d KV slots x hidden size %d, %s), "
