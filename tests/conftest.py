@@ -1,10 +1,14 @@
-"""Shared test setup: hypothesis profiles, the `cuda` marker's skip and the perturbed timing of
-`just test-perturbed` (tests/perturb.py)."""
+"""Shared test setup: hypothesis profiles, the `cuda` marker's skip, the perturbed timing of
+`just test-perturbed` (tests/perturb.py), and a host-reservations directory of each test's own
+(`omni_pcache.host_reservations`), so that no test counts the caches of another test, or of
+processes outside the suite, against its host budget."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -32,6 +36,18 @@ def busy_switching(request: pytest.FixtureRequest):
     sys.setswitchinterval(getattr(request, "param", 1e-4))
     yield
     sys.setswitchinterval(before)
+
+
+_reservation_dirs = tempfile.TemporaryDirectory(prefix="omni_pcache_reservations_")
+_reservation_serials = itertools.count()
+
+
+@pytest.fixture(autouse=True)
+def own_reservations_dir(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A host-reservations directory no other test uses (made by the first cache to admit keys)."""
+    path = os.path.join(_reservation_dirs.name, str(next(_reservation_serials)))
+    monkeypatch.setenv("OMNI_PCACHE_RESERVATIONS_DIR", path)
+    return path
 
 
 def pytest_configure(config: pytest.Config) -> None:

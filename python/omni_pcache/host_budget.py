@@ -4,17 +4,23 @@ the most rows kept aside for late reads: ``max_preserved_rows`` of the widest ke
 pass it. Checked when a save brings keys never registered before, the only time what the
 cache can hold grows, before their ledger columns, pool or pages are allocated.
 
-Engine thread only (`KeyRegistry.register`, from `PrefixCache.save`).
+What a cache admitted is shared with the other caches of this host (`host_reservations`), and
+each cache counts what the others hold against the host's memory, so several processes'
+caches (an omni pipeline's stages) are held to the host together.
+
+Engine thread only (`KeyRegistry.register`, from `PrefixCache.save`), but for `release`.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from omni_pcache._native import Ledger
 from omni_pcache.config import CacheConfig
 from omni_pcache.errors import ConfigError
 from omni_pcache.host_memory import footprint, host_memory_limit, size_text
+from omni_pcache.host_reservations import HostReservations, Reservation, reservations_dir
 from omni_pcache.keys import KeySpec
 from omni_pcache.pages import StagingPages
 from omni_pcache.pool import HostPool
@@ -31,12 +37,19 @@ def budget_limit(config: CacheConfig) -> tuple[int | None, str]:
 
 class HostBudget:
     """Refuses new keys past the budget of ``config`` (`budget_limit`; none known: nothing
-    refused); ``deferred`` names the keys without staging pages."""
+    refused), or past this host's memory with what the other caches on the host hold (their
+    reservations: `host_reservations`; not for a budget past the host's memory, which says the
+    host's memory is not the limit); ``deferred`` names the keys without staging pages."""
 
     def __init__(
         self, config: CacheConfig, deferred: frozenset[str], pool: HostPool, pages: StagingPages, ledger: Ledger
     ) -> None:
         self._limit, self._limit_name = budget_limit(config)
+        host = self._limit if config.host_budget_bytes is None else host_memory_limit()
+        # (the host's memory, which the caches on it share, a budget of its own or not; but a
+        # budget past it says the host's memory is not the limit there (swap, ...): that cache
+        # is held to its budget alone, and still counted by the others)
+        self._host = host if host is not None and (self._limit is None or self._limit <= host) else None
         self._pool = pool
         self._pages = pages
         self._ledger = ledger
@@ -45,6 +58,7 @@ class HostBudget:
         # The widest row of any key admitted (kept after a key is forgotten: an over-estimate,
         # as a refused save's keys are rare, never an under-estimate).
         self._widest_row = 0
+        self._shared = HostReservations(reservations_dir() if host is not None else None)
 
     @property
     def limit(self) -> int | None:
@@ -53,8 +67,10 @@ class HostBudget:
 
     def check(self, new: Sequence[KeySpec], new_columns: int) -> None:
         """Raises `ConfigError` when the ``new`` keys' storage (and ``new_columns`` more ledger
-        columns: a forgotten key's are reused) would take what the cache holds past the limit."""
-        if self._limit is None:
+        columns: a forgotten key's are reused) would take what the cache holds past its budget,
+        or, with what the other caches on this host hold, past the host's memory; else records
+        what the cache holds for the others to count."""
+        if self._limit is None:  # (and so no host's memory known either)
             return
         column_bytes = self._ledger.key_column_bytes
         pool, pages = self._pool, self._pages  # (pinned storage at its page-locked size: `footprint`)
@@ -71,19 +87,49 @@ class HostBudget:
         widest = max(self._widest_row, *(spec.row_bytes for spec in new))
         preserved = self._max_preserved_rows * widest
         total = sum(held.values()) + sum(needs.values()) + columns + preserved
-        if total <= self._limit:
-            self._widest_row = widest
-            return
+        others: list[Reservation] = []
+        if self._limit is None or total <= self._limit:
+            with self._shared.admit() as others:
+                if self._host is None or total + sum(other.nbytes for other in others) <= self._host:
+                    self._widest_row = widest
+                    self._shared.record(total)
+                    return
         listed = ", ".join(f"{what}: {size_text(nbytes)}" for what, nbytes in needs.items())
         holding = ", ".join(f"{name!r}: {size_text(nbytes)}" for name, nbytes in held.items()) or "none"
+        if self._limit is not None and total > self._limit:
+            past = f", past {self._limit_name}: {size_text(self._limit)} ({self._limit:,} bytes)"
+            advice = "Cache fewer keys (CachePolicy), lower num_blocks, or raise CacheConfig.host_budget_bytes"
+        else:
+            assert self._host is not None
+            host = f"{size_text(self._host)} ({self._host:,} bytes)"
+            past = f"{_with_others(total, others)}, past this host's memory: {host}"
+            advice = "Cache fewer keys (CachePolicy), lower num_blocks here or in the other caches, or close them"
         raise ConfigError(
-            f"this step's new keys would bring the cache's host memory to {size_text(total)} ({total:,} bytes), "
-            f"past {self._limit_name}: {size_text(self._limit)} ({self._limit:,} bytes). "
-            f"New keys (pool and staging pages): {listed}. Keys held: {holding}. "
+            f"this step's new keys would bring the cache's host memory to {size_text(total)} ({total:,} bytes)"
+            f"{past}. New keys (pool and staging pages): {listed}. Keys held: {holding}. "
             f"Ledger columns: {size_text(columns)}. Rows kept aside for late reads, at most: {size_text(preserved)} "
-            "(max_preserved_rows of the widest row). "
-            "Cache fewer keys (CachePolicy), lower num_blocks, or raise CacheConfig.host_budget_bytes"
+            f"(max_preserved_rows of the widest row). {advice}"
         )
+
+    def release(self) -> None:
+        """Gives up this cache's reservation (any thread; idempotent): at `PrefixCache.close`."""
+        self._shared.release()
+
+
+def _with_others(total: int, others: Sequence[Reservation]) -> str:
+    """The other caches' part of a refusal's message (none: nothing)."""
+    if not others:
+        return ""
+    elsewhere = sum(other.nbytes for other in others)
+    each = ", ".join(f"{_owner(other)}: {size_text(other.nbytes)}" for other in others)
+    return (
+        f", and with the {size_text(elsewhere)} that other caches on this host hold ({each}) "
+        f"to {size_text(total + elsewhere)} ({total + elsewhere:,} bytes)"
+    )
+
+
+def _owner(other: Reservation) -> str:
+    return "another cache of this process" if other.pid == os.getpid() else f"pid {other.pid} ({other.name})"
 
 
 __all__ = ["HostBudget", "budget_limit"]
