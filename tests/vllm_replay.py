@@ -394,15 +394,19 @@ def replay(
     scenario: Scenario = RECORDED_SCENARIO,
     refused_before: dict[int, tuple[Step, type[BaseException], str]] | None = None,
     warm_up_before: frozenset[int] = frozenset(),
+    init_options: dict[str, Any] | None = None,
 ) -> Runner:
     """Replays a scenario through a mixin runner with a real, threaded `PrefixCache`; asserts
     the slot mapping of every step and every request's concatenated rows. ``refused_before``
     maps a step number to a SchedulerOutput sent before it that ``pcache_begin_step`` must
     refuse (its error type and a message pattern) without changing the block tracker. A
-    warm-up (`Runner.warm_up`) runs before each step number in ``warm_up_before``."""
+    warm-up (`Runner.warm_up`) runs before each step number in ``warm_up_before``;
+    ``init_options`` go to ``pcache_init``."""
     runner = Runner(order, output, scenario.tokens)
     runner.pcache_load_policy(CachePolicy(token_keys=frozenset({"codes"})))
-    assert runner.pcache_init(**stage_configs(t, scenario), is_last_pipeline_stage=True, tensor_parallel_rank=0)
+    assert runner.pcache_init(
+        **stage_configs(t, scenario), is_last_pipeline_stage=True, tensor_parallel_rank=0, **(init_options or {})
+    )
     kv = KVModel(scenario)
     bs = scenario.block_size
     try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from omni_pcache.host_memory import size_text
+
 
 @dataclass(frozen=True, slots=True)
 class CacheStats:
@@ -53,6 +55,43 @@ class CacheStats:
     requests_live: int = 0
     reads_pending: int = 0
     host_budget_bytes: int | None = None
+
+    def summary(self, since: CacheStats | None = None) -> str:
+        """One line for a log: the new requests, their prefix hits and the hit rows served since
+        ``since`` (an earlier snapshot of the same cache; ``None``: since the cache was made),
+        then what the cache holds now: its pools and staging pages on the host (against its
+        budget), live requests, step ids not consumed, writes not in the pool yet, and deferred
+        rows on the device."""
+        base = CacheStats() if since is None else since
+        hits, misses = self.hits - base.hits, self.misses - base.misses
+        pool, in_flight = self.rows_from_pool - base.rows_from_pool, self.rows_in_flight - base.rows_in_flight
+        preserved, prefetched = self.rows_preserved - base.rows_preserved, self.rows_prefetched - base.rows_prefetched
+        served = pool + in_flight + preserved
+        text = f"new requests {hits + misses:,}, prefix hits {hits:,} ({_share(hits, hits + misses)}), "
+        text += f"hit rows served {served:,}"
+        if served:
+            text += (
+                f" (from the pool {_share(pool, served)}, in flight {_share(in_flight, served)}, "
+                f"preserved {_share(preserved, served)}; prefetched {_share(prefetched, served)})"
+            )
+        waits = self.num_waits - base.num_waits
+        text += f", waits {waits:,}" + (f" ({self.wait_time_s - base.wait_time_s:.3f} s)" if waits else "")
+        host = sum(self.pool_bytes.values()) + sum(self.staging_bytes.values())
+        text += f". Now: host memory {size_text(host)}"
+        if self.host_budget_bytes is not None:
+            text += f" (budget {size_text(self.host_budget_bytes)})"
+        text += (
+            f", live requests {self.requests_live:,}, step ids not consumed {len(self.steps_outstanding):,}, "
+            f"writes not in the pool {self.tasks_live:,}"
+        )
+        if self.device_bytes:
+            text += f", deferred rows on the device {size_text(self.device_bytes)}"
+        return text
+
+
+def _share(part: int, whole: int) -> str:
+    """``part`` of ``whole`` in percent, one decimal (0.0% of nothing)."""
+    return f"{100 * part / whole if whole else 0.0:.1f}%"
 
 
 class Counters:

@@ -44,6 +44,7 @@ from omni_pcache.events import StepOutputs
 from omni_pcache.host_budget import budget_limit
 from omni_pcache.host_memory import size_text
 from omni_pcache.stats import CacheStats
+from omni_pcache.stats_log import StatsLog, check_interval
 from omni_pcache.vllm.gate import cache_config_from_vllm, hidden_pool_bytes, steps_in_flight
 from omni_pcache.vllm.ranks import NoOpCache, is_output_rank
 from omni_pcache.vllm.tracker import BlockTracker
@@ -55,13 +56,15 @@ logger = logging.getLogger("omni_pcache")
 @dataclass
 class PcacheState:
     """What the mixin keeps between hooks: the gated config, whether this rank produces outputs,
-    the model's policy, the cache once built, and the block tracker."""
+    the model's policy, the cache once built, the block tracker and the stats log."""
 
     config: CacheConfig
     output_rank: bool
     policy: CachePolicy | None = None
     cache: PrefixCache | NoOpCache | None = None
     tracker: BlockTracker = field(default_factory=BlockTracker)
+    log_interval_s: float | None = None  # (a `StatsLog` line every so often; None: none)
+    stats_log: StatsLog | None = None  # (made with the cache, on the output rank)
 
 
 def _warn_if_hidden_past_budget(config: CacheConfig, model_config: Any) -> None:
@@ -106,12 +109,17 @@ class PrefixCacheRunnerMixin:
         is_last_pipeline_stage: bool,
         tensor_parallel_rank: int,
         kernel_block_sizes: Sequence[int] | None = None,
+        log_stats_interval_s: float | None = 10.0,
         **cache_options: Any,
     ) -> bool:
         """Gates the configuration at KV-cache init (every rank). Returns whether this stage
         has a cache; raises `ConfigError` for a refused configuration. A second call (KV cache
         re-initialized) closes the previous cache first. ``kernel_block_sizes`` is accepted
-        for runners written for earlier versions and not needed (`cache_config_from_vllm`)."""
+        for runners written for earlier versions and not needed (`cache_config_from_vllm`).
+        The output rank logs the cache's counters (`CacheStats.summary`) at INFO every
+        ``log_stats_interval_s`` seconds while steps run (10, as vLLM logs its own; ``None``:
+        never, 0: every step); ``cache_options`` are `CacheConfig` fields."""
+        log_interval_s = check_interval(log_stats_interval_s, "log_stats_interval_s")
         self.pcache_shutdown()
         config = cache_config_from_vllm(
             cache_config=cache_config,
@@ -132,7 +140,9 @@ class PrefixCacheRunnerMixin:
             is_last_pipeline_stage=is_last_pipeline_stage, tensor_parallel_rank=tensor_parallel_rank
         )
         tracker = BlockTracker(steps_in_flight(scheduler_config, parallel_config))
-        self._pcache_state = PcacheState(config, output, self._pcache_policy, tracker=tracker)
+        self._pcache_state = PcacheState(
+            config, output, self._pcache_policy, tracker=tracker, log_interval_s=log_interval_s
+        )
         if output and (self._pcache_policy or CachePolicy()).cache_hidden:
             _warn_if_hidden_past_budget(config, model_config)
         return True
@@ -194,6 +204,8 @@ class PrefixCacheRunnerMixin:
         if state.cache is None:
             make = PrefixCache if state.output_rank else NoOpCache
             state.cache = make(state.config, state.policy)
+            if state.output_rank and state.log_interval_s is not None:
+                state.stats_log = StatsLog(state.log_interval_s)
         if not state.output_rank:
             return
         undo = state.tracker.update(scheduler_output, state.cache.awaited)
@@ -202,6 +214,8 @@ class PrefixCacheRunnerMixin:
         except BaseException:  # (a refused step leaves the tracker as it was, as it leaves the cache)
             undo()
             raise
+        if state.stats_log is not None:
+            state.stats_log.tick(state.cache)
 
     def pcache_fence(self) -> None:
         """Before a forward that has no ``pcache_begin_step`` (vLLM's dummy runs: an idle

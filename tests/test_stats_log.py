@@ -1,0 +1,113 @@
+"""The counters as a log line (`CacheStats.summary`, `StatsLog`, and the vLLM mixin's
+``log_stats_interval_s``): each line counts what happened since the one before, and says what
+the cache holds now."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+import torch
+
+from cachekit import slots_of, small_cache
+from omni_pcache import ConfigError, NewRequest, StepBatch, StepEvents
+from omni_pcache.host_memory import size_text
+from omni_pcache.stats_log import StatsLog
+from vllm_replay import RECORDED, Runner, replay, scheduler_output, stage_configs, standin_types
+
+BS = 4  # (small_cache: blocks of 4 slots)
+T = standin_types()
+
+
+def miss_then_hit(cache):
+    """Step 1: "a" misses, 8 rows. Step 2: "b" hits a's first block (4 rows from the pool) and
+    computes 2 rows. Yields after each step (its rows materialized)."""
+    cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+    cache.materialize(cache.save(torch.randn(8, 4), {}, StepBatch(["a"], [8], slots_of([0, 1], 0, 8, BS))), ["a"])
+    cache.flush()
+    yield
+    cache.begin_step(StepEvents(new=[NewRequest("b", [0, 2], num_computed_tokens=4)], finished=["a"]))
+    cache.materialize(cache.save(torch.randn(2, 4), {}, StepBatch(["b"], [2], slots_of([0, 2], 4, 2, BS))), ["b"])
+    cache.flush()
+    yield
+
+
+def test_a_summary_counts_since_an_earlier_snapshot_and_says_what_the_cache_holds() -> None:
+    with small_cache() as cache:
+        steps = miss_then_hit(cache)
+        next(steps)
+        first = cache.stats()
+        next(steps)
+        now = cache.stats()
+        held = size_text(sum(now.pool_bytes.values()) + sum(now.staging_bytes.values()))
+        assert now.summary().startswith(
+            "new requests 2, prefix hits 1 (50.0%), hit rows served 4 (from the pool 100.0%, in flight 0.0%, "
+            "preserved 0.0%; prefetched 0.0%), waits 0. "
+        )
+        assert now.summary(first).startswith("new requests 1, prefix hits 1 (100.0%), hit rows served 4 (")
+        assert first.summary().startswith("new requests 1, prefix hits 0 (0.0%), hit rows served 0, waits 0. ")
+        assert now.summary(now).startswith("new requests 0, prefix hits 0 (0.0%), hit rows served 0, waits 0. ")
+        assert now.summary().endswith(
+            f". Now: host memory {held} (budget {size_text(now.host_budget_bytes)}), live requests 1, "
+            "step ids not consumed 0, writes not in the pool 0"
+        )
+
+
+def test_the_log_writes_a_line_per_interval_counting_since_the_last(caplog: pytest.LogCaptureFixture) -> None:
+    clock = [100.0]
+    log = StatsLog(10.0, clock=lambda: clock[0])
+
+    def tick(at: float) -> list[str]:
+        clock[0] = at
+        caplog.clear()
+        log.tick(cache)
+        return [r.getMessage() for r in caplog.records if r.name == "omni_pcache"]
+
+    with small_cache() as cache, caplog.at_level(logging.INFO, logger="omni_pcache"):
+        steps = miss_then_hit(cache)
+        next(steps)
+        assert tick(105.0) == []
+        (line,) = tick(110.0)
+        assert line.startswith("omni_pcache: last 10.0 s: new requests 1, prefix hits 0 (0.0%), hit rows served 0")
+        next(steps)
+        assert tick(115.0) == []
+        (line,) = tick(121.5)
+        assert line.startswith("omni_pcache: last 11.5 s: new requests 1, prefix hits 1 (100.0%), hit rows served 4 (")
+        (line,) = tick(131.5)
+        assert line.startswith("omni_pcache: last 10.0 s: new requests 0, prefix hits 0 (0.0%), hit rows served 0")
+
+
+LINE = re.compile(r"omni_pcache: last [\d.]+ s: new requests (\d+), prefix hits (\d+) ")
+
+
+@pytest.mark.parametrize("output", ["inline", "late"])
+def test_the_vllm_output_rank_logs_its_counters_every_interval(caplog: pytest.LogCaptureFixture, output: str) -> None:
+    """With ``log_stats_interval_s=0`` the output rank logs a line at every step, and the
+    lines' counts add up to the cache's; by default (every 10 s) a short run logs none."""
+    with caplog.at_level(logging.INFO, logger="omni_pcache"):
+        runner = replay(T, output=output, init_options={"log_stats_interval_s": 0})
+    lines = [LINE.match(r.getMessage()) for r in caplog.records if "last" in r.getMessage()]
+    assert len(lines) == len(RECORDED) and all(lines)
+    stats = runner.pcache_stats()
+    assert sum(int(m[1]) for m in lines) == stats.hits + stats.misses > stats.hits == sum(int(m[2]) for m in lines) > 0
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="omni_pcache"):
+        replay(T, output=output)
+    assert not [r for r in caplog.records if "last" in r.getMessage()]
+
+
+def test_other_ranks_log_nothing_and_a_bad_interval_is_refused(caplog: pytest.LogCaptureFixture) -> None:
+    runner = Runner("scheduler", "inline")
+    with caplog.at_level(logging.INFO, logger="omni_pcache"):
+        assert runner.pcache_init(
+            **stage_configs(T), is_last_pipeline_stage=True, tensor_parallel_rank=1, log_stats_interval_s=0
+        )
+        runner.pcache_begin_step(scheduler_output(T, RECORDED[0]))
+    assert not [r for r in caplog.records if "last" in r.getMessage()]
+    runner.pcache_shutdown()
+    for bad in (-1, "10", True, float("nan")):
+        with pytest.raises(ConfigError, match=r"log_stats_interval_s must be None or a number of seconds >= 0, got"):
+            runner.pcache_init(
+                **stage_configs(T), is_last_pipeline_stage=True, tensor_parallel_rank=0, log_stats_interval_s=bad
+            )
