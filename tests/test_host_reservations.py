@@ -1,60 +1,81 @@
 """Host memory shared between processes (`omni_pcache.host_reservations`): caches of several
-processes on one host (an omni pipeline's stages) are held to the host's memory together. A
-cache with the default budget counts what the other live caches hold; a process that exits,
-even killed, stops counting; where nothing can be shared each cache keeps to its own budget."""
+processes on one host (an omni pipeline's stages) are held to the host's memory together. Each
+cache counts what the other live caches hold; a process that exits, even killed, stops counting;
+where nothing can be shared each cache keeps to its own budget, and nothing raises into it.
+
+The caches here reserve most of their share as room for rows kept aside for late reads
+(``max_preserved_rows``), which the budget counts and nothing allocates until used: no test
+allocates more than a few MiB."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import gc
 import json
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from cachekit import slots_of, small_cache
-from omni_pcache import ConfigError, NewRequest, PrefixCache, StepBatch, StepEvents, host_reservations
+from cachekit import SMALL_CACHE, slots_of, small_cache
+from omni_pcache import (
+    ConfigError,
+    InvalidInputError,
+    NewRequest,
+    PrefixCache,
+    StepBatch,
+    StepEvents,
+    host_reservations,
+)
+from omni_pcache._native import Ledger
 from omni_pcache.host_memory import host_memory_limit
-from omni_pcache.host_reservations import DEFAULT_DIR, ENV_DIR, reservations_dir
+from omni_pcache.host_reservations import ENV_DIR, reservations_dir
 
 BS = 4  # (small_cache: blocks of 4 slots)
-NUM_BLOCKS = 1 << 16
+WIDTH = 1024  # (float32 rows of 4 KiB)
 TESTS = Path(__file__).parent
 
 
-def width_for(share: float) -> int:
-    """The float32 row width whose pool is ``share`` of this host's memory in a cache of
-    `NUM_BLOCKS` blocks (allocated untouched: Linux lends it without using it)."""
+def reserving_cache(share: float, **overrides) -> PrefixCache:
+    """A `small_cache` whose budget, once it has saved rows of `WIDTH`, counts ``share`` of this
+    host's memory (nearly all of it room for rows kept aside, not allocated)."""
     limit = host_memory_limit()
     assert limit is not None
-    return int(share * limit) // (NUM_BLOCKS * BS * 4)
+    return small_cache(max_preserved_rows=int(share * limit) // (WIDTH * 4), **overrides)
 
 
-def save_rows(cache: PrefixCache, req: str, width: int) -> None:
-    """A step of one new request: 4 rows of ``width``, saved and materialized."""
+def save_rows(cache: PrefixCache, req: str, mm: dict | None = None) -> None:
+    """A step of one new request: 4 rows of `WIDTH` (and ``mm``), saved and materialized."""
     cache.begin_step(StepEvents(new=[NewRequest(req, [0, 1])]))
-    rows = torch.randn(4, width)
-    out = cache.materialize(cache.save(rows, {}, StepBatch([req], [4], slots_of([0, 1], 0, 4, BS))), [req])
+    rows = torch.randn(4, WIDTH)
+    out = cache.materialize(cache.save(rows, mm or {}, StepBatch([req], [4], slots_of([0, 1], 0, 4, BS))), [req])
     assert torch.equal(out.hidden[req], rows)
 
 
 def reservation_files(directory: str) -> list[str]:
-    return sorted(name for name in os.listdir(directory) if name.endswith(".json")) if os.path.isdir(directory) else []
+    return sorted(p.name for p in Path(directory).glob("*.json")) if os.path.isdir(directory) else []
+
+
+def read_line(child: subprocess.Popen, timeout_s: float = 120.0) -> str:
+    ready, _, _ = select.select([child.stdout], [], [], timeout_s)
+    assert ready, f"the child said nothing in {timeout_s} s"
+    return child.stdout.readline()
 
 
 CHILD = f"""
 import sys
 sys.path.insert(0, {str(TESTS)!r})
-from cachekit import small_cache
-from test_host_reservations import NUM_BLOCKS, save_rows, width_for
-cache = small_cache(num_blocks=NUM_BLOCKS)
-save_rows(cache, "child", width_for(0.45))
+from test_host_reservations import reserving_cache, save_rows
+cache = reserving_cache(0.55)
+save_rows(cache, "child")
 print("saved", flush=True)
 sys.stdin.readline()
 cache.close()
@@ -65,13 +86,13 @@ sys.stdin.readline()
 
 @pytest.fixture
 def child_cache():
-    """A process whose cache holds 45% of this host (and 11% more kept aside for late reads),
-    until a line on its stdin closes it; killed at the end."""
+    """A process whose cache counts 55% of this host, until a line on its stdin closes it;
+    killed at the end."""
     with subprocess.Popen(
         [sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=os.environ
     ) as child:
         try:
-            assert child.stdout.readline() == "saved\n"
+            assert read_line(child) == "saved\n"
             yield child
         finally:
             child.kill()  # (the pipes close as the `with` ends)
@@ -81,17 +102,18 @@ def test_a_cache_of_another_process_holds_its_share_of_the_host_until_it_closes(
     child_cache: subprocess.Popen, own_reservations_dir: str
 ) -> None:
     """Each cache would fit the host alone, not both: the second process's save is refused
-    with a `ConfigError` naming the first process and what it holds, and its keys are
-    cached once the first process has closed its cache."""
-    with small_cache(num_blocks=NUM_BLOCKS) as cache:
+    with a `ConfigError` naming the first process, and it is cached once the first process has
+    closed its cache."""
+    with reserving_cache(0.55) as cache:
         with pytest.raises(ConfigError) as err:
-            save_rows(cache, "a", width_for(0.45))
-        assert f"other caches on this host hold (pid {child_cache.pid} (python" in str(err.value)
+            save_rows(cache, "a")
+        assert f"that other caches on this host hold (pid {child_cache.pid} (" in str(err.value)
+        assert "past this host's memory: " in str(err.value)
         assert cache.stats().pool_bytes == {}
         child_cache.stdin.write("close\n")
         child_cache.stdin.flush()
-        assert child_cache.stdout.readline() == "closed\n"
-        save_rows(cache, "a", width_for(0.45))
+        assert read_line(child_cache) == "closed\n"
+        save_rows(cache, "a")
         assert len(reservation_files(own_reservations_dir)) == 1
     assert reservation_files(own_reservations_dir) == []
 
@@ -100,54 +122,83 @@ def test_a_killed_process_holds_nothing(child_cache: subprocess.Popen, own_reser
     """A process killed with its cache open leaves its file behind: the next admission counts
     nothing of it and removes the file."""
     (left,) = reservation_files(own_reservations_dir)
-    assert left.startswith(f"{child_cache.pid}-")
     child_cache.send_signal(signal.SIGKILL)
     child_cache.wait()
-    with small_cache(num_blocks=NUM_BLOCKS) as cache:
-        save_rows(cache, "a", width_for(0.45))
+    with reserving_cache(0.55) as cache:
+        save_rows(cache, "a")
         (own,) = reservation_files(own_reservations_dir)
-        assert own != left and own.startswith(f"{os.getpid()}-")
+        assert own != left
 
 
-def plant(directory: str, file_name: str, **entry) -> Path:
+def plant(directory: str, **entry) -> Path:
     """A reservation file as another cache would write it."""
-    os.makedirs(directory, exist_ok=True)
-    path = Path(directory) / file_name
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    path = Path(directory) / f"planted-{len(os.listdir(directory))}.json"
     path.write_text(json.dumps(entry))
     return path
 
 
-def test_a_live_process_id_of_another_start_is_not_counted(own_reservations_dir: str) -> None:
-    """A file whose process id is live but started later than its writer (the id was reused)
-    is not counted and is removed; one from another pid namespace, whose process cannot be
-    looked up, is counted."""
-    namespace = os.readlink("/proc/self/ns/pid")
-    start = host_reservations._proc_start_time(os.getpid())
-    reused = plant(
-        own_reservations_dir, "1-0.json", pid=os.getpid(), start=start - 1, pidns=namespace, name="x", bytes=1 << 50
-    )
-    with small_cache(num_blocks=NUM_BLOCKS) as cache:
-        save_rows(cache, "a", width_for(0.45))
-    assert not reused.exists()
-    plant(own_reservations_dir, "2-0.json", pid=2, start=1, pidns="pid:[1]", name="elsewhere", bytes=1 << 50)
-    with small_cache(num_blocks=NUM_BLOCKS) as cache, pytest.raises(ConfigError, match=r"pid 2 \(elsewhere\): "):
-        save_rows(cache, "a", 8)
+def test_a_file_is_counted_while_a_process_holds_it(own_reservations_dir: str) -> None:
+    """What makes a file live is the flock its cache holds, not its process id (which another
+    pid namespace, or a reused id, would make wrong): a file held is counted, whatever pid it
+    names; once let go it is not, and is removed."""
+    path = plant(own_reservations_dir, pid=1, name="elsewhere", bytes=1 << 50)
+    held = os.open(path, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_SH)
+    try:
+        with reserving_cache(0.1) as cache, pytest.raises(ConfigError, match=r"pid 1 \(elsewhere\): "):
+            save_rows(cache, "a")
+        assert path.exists()
+    finally:
+        os.close(held)
+    with reserving_cache(0.1) as cache:
+        save_rows(cache, "a")
+    assert not path.exists()
+
+
+def test_files_that_are_not_reservations_are_ignored(own_reservations_dir: str) -> None:
+    """A fifo (which a read would wait on), a link, a large file and entries with numbers out
+    of range or of the wrong type neither count nor raise into the save."""
+    junk = [
+        {"pid": 1, "bytes": 1e400},
+        {"pid": 1, "bytes": -(1 << 50)},
+        {"pid": "1", "bytes": 1 << 50},
+        {"pid": 1, "bytes": True},
+        {"pid": 1},
+    ]
+    held = []
+    for entry in junk:
+        fd = os.open(plant(own_reservations_dir, **entry), os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        held.append(fd)
+    os.mkfifo(Path(own_reservations_dir) / "fifo.json")
+    (Path(own_reservations_dir) / "large.json").write_text(json.dumps({"pid": 1, "bytes": 1 << 50}) + " " * 8192)
+    os.symlink(plant(own_reservations_dir, pid=1, bytes=1 << 50), Path(own_reservations_dir) / "link.json")
+    nested = Path(own_reservations_dir) / "nested.json"
+    nested.write_text("[" * 2000 + "]" * 2000)
+    held.append(os.open(nested, os.O_RDONLY))
+    fcntl.flock(held[-1], fcntl.LOCK_SH)
+    try:
+        with reserving_cache(0.6) as first, reserving_cache(0.3) as second:
+            save_rows(first, "a")
+            save_rows(second, "a")
+    finally:
+        for fd in held:
+            os.close(fd)
 
 
 def test_a_budget_of_its_own_is_held_to_the_host_with_the_others(own_reservations_dir: str) -> None:
     """Two caches of this process: one with the default budget, and one with a budget of its
     own (a chosen share: the whole host here), which fits that budget but not the host beside
     the first. It is refused naming the first, and admitted once the first is closed."""
-    first = small_cache(num_blocks=NUM_BLOCKS)
-    save_rows(first, "a", width_for(0.45))
-    with small_cache(num_blocks=NUM_BLOCKS, host_budget_bytes=host_memory_limit()) as second:
+    first = reserving_cache(0.55)
+    save_rows(first, "a")
+    with reserving_cache(0.55, host_budget_bytes=host_memory_limit()) as second:
         with pytest.raises(ConfigError) as err:
-            save_rows(second, "a", width_for(0.45))
-        message = str(err.value)
-        assert "that other caches on this host hold (another cache of this process: " in message
-        assert "past this host's memory: " in message
+            save_rows(second, "a")
+        assert "that other caches on this host hold (another cache of this process: " in str(err.value)
         first.close()
-        save_rows(second, "a", width_for(0.45))
+        save_rows(second, "a")
 
 
 def test_a_budget_past_the_host_is_held_to_itself_alone_and_counted_by_the_others(
@@ -157,65 +208,154 @@ def test_a_budget_past_the_host_is_held_to_itself_alone_and_counted_by_the_other
     such caches are admitted beside each other past the host, and a cache with the default
     budget still counts them."""
     with (
-        small_cache(num_blocks=NUM_BLOCKS, host_budget_bytes=2**62) as first,
-        small_cache(num_blocks=NUM_BLOCKS, host_budget_bytes=2**62) as second,
+        reserving_cache(0.55, host_budget_bytes=2**62) as first,
+        reserving_cache(0.55, host_budget_bytes=2**62) as second,
     ):
-        save_rows(first, "a", width_for(0.45))
-        save_rows(second, "a", width_for(0.45))
-        with small_cache(num_blocks=NUM_BLOCKS) as third, pytest.raises(ConfigError) as err:
-            save_rows(third, "a", 8)
+        save_rows(first, "a")
+        save_rows(second, "a")
+        with reserving_cache(0.1) as third, pytest.raises(ConfigError) as err:
+            save_rows(third, "a")
         assert str(err.value).count("another cache of this process: ") == 2
 
 
+def test_a_cache_counts_itself_once_as_its_keys_grow(own_reservations_dir: str) -> None:
+    """A key twice as wide admitted later takes the cache from 45% to 90% of the host: admitted,
+    since the cache's own file is not one of the others (counted with them, 135%)."""
+    with reserving_cache(0.45) as cache:
+        save_rows(cache, "a")
+        save_rows(cache, "b", {"codes": torch.zeros(4, 2 * WIDTH)})
+        assert set(cache.stats().pool_bytes) == {"hidden", "codes"}
+
+
+def test_a_key_refused_after_its_admission_is_no_longer_counted(own_reservations_dir: str) -> None:
+    """A key admitted (a budget past the host lets it be tried) whose pool cannot be allocated:
+    the save is refused, and the cache's file says what it holds then: what it held before and
+    the key's ledger columns (kept for the next key), not the key's pool or its wider rows."""
+    with reserving_cache(0.1, host_budget_bytes=2**62) as cache:
+        save_rows(cache, "a")
+        (path,) = Path(own_reservations_dir).glob("*.json")
+        before = json.loads(path.read_text())["bytes"]
+        wide = torch.zeros(4, 1).expand(4, 2**36)  # (no pool of it can be allocated)
+        with pytest.raises(InvalidInputError, match="cannot be allocated"):
+            save_rows(cache, "b", {"huge": wide})
+        columns = Ledger(SMALL_CACHE["num_blocks"] * BS, BS).key_column_bytes
+        assert json.loads(path.read_text())["bytes"] == before + columns
+
+
+def test_a_close_racing_a_save_leaves_no_file(own_reservations_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A close while a save is admitting its keys: the file is gone once both have returned."""
+    cache = reserving_cache(0.1)
+    entered, go_on = threading.Event(), threading.Event()
+    admit = host_reservations.HostReservations.admit
+
+    def slow_admit(self):
+        entered.set()
+        go_on.wait(10)
+        return admit(self)
+
+    monkeypatch.setattr(host_reservations.HostReservations, "admit", slow_admit)
+
+    def save() -> None:
+        with contextlib.suppress(Exception):  # (refused once closed, or saved before: either way)
+            save_rows(cache, "a")
+
+    saver = threading.Thread(target=save)
+    saver.start()
+    assert entered.wait(10)
+    closer = threading.Thread(target=cache.close)
+    closer.start()
+    go_on.set()
+    saver.join(10)
+    closer.join(10)
+    assert not saver.is_alive() and not closer.is_alive()
+    assert reservation_files(own_reservations_dir) == []
+
+
 def test_a_cache_collected_without_close_gives_up_its_reservation(own_reservations_dir: str) -> None:
-    cache = small_cache(num_blocks=NUM_BLOCKS)
-    save_rows(cache, "a", 8)
+    cache = reserving_cache(0.1)
+    save_rows(cache, "a")
     assert len(reservation_files(own_reservations_dir)) == 1
     del cache
     gc.collect()
     assert reservation_files(own_reservations_dir) == []
 
 
+FORKING = f"""
+import fcntl, os, sys
+sys.path.insert(0, {str(TESTS)!r})
+from test_host_reservations import reserving_cache, reservation_files, save_rows
+cache = reserving_cache(0.1)
+save_rows(cache, "a")
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # (the child's exit runs the finalizers of its copy of the cache)
+os.waitpid(pid, 0)
+(name,) = reservation_files(os.environ[{ENV_DIR!r}])
+fd = os.open(os.path.join(os.environ[{ENV_DIR!r}], name), os.O_RDONLY)
+try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    print("let go")
+except BlockingIOError:
+    print("held")
+"""
+
+
+def test_a_forked_child_leaves_its_parents_file_held(own_reservations_dir: str) -> None:
+    """A process with a cache forks, and the child exits: the parent's file is still there and
+    still held (the child's exit ran the finalizers of its copy of the cache)."""
+    done = subprocess.run([sys.executable, "-c", FORKING], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "held\n"
+
+
+@pytest.mark.parametrize("how", ["a file in the way", "a directory other users may write"])
 def test_an_unusable_directory_leaves_each_cache_to_its_own_budget(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A directory that cannot be made (a file is in the way): one warning naming it and the
-    variable to set, and the caches are admitted as each fits the host alone."""
-    (tmp_path / "file").write_text("")
-    monkeypatch.setenv(ENV_DIR, str(tmp_path / "file" / "reservations"))
+    """A directory that cannot be made, or that another user could plant files in: one warning
+    naming it and the variable to set, and the caches are admitted as each fits the host alone."""
+    if how == "a file in the way":
+        (tmp_path / "file").write_text("")
+        directory = tmp_path / "file" / "reservations"
+    else:
+        directory = tmp_path / "open"
+        directory.mkdir()
+        directory.chmod(0o777)
+    monkeypatch.setenv(ENV_DIR, str(directory))
     with caplog.at_level(logging.WARNING, logger="omni_pcache"):
-        with small_cache(num_blocks=NUM_BLOCKS) as first, small_cache(num_blocks=NUM_BLOCKS) as second:
-            save_rows(first, "a", width_for(0.45))
-            save_rows(second, "a", width_for(0.45))
+        with reserving_cache(0.55) as first, reserving_cache(0.55) as second:
+            save_rows(first, "a")
+            save_rows(second, "a")
     warnings = [r.getMessage() for r in caplog.records if "not shared" in r.getMessage()]
-    assert len(warnings) == 1 and str(tmp_path / "file" / "reservations") in warnings[0] and ENV_DIR in warnings[0]
+    assert len(warnings) == 1 and str(directory) in warnings[0] and ENV_DIR in warnings[0]
 
 
-def test_a_lock_held_too_long_leaves_each_cache_to_its_own_budget(
+def test_a_lock_held_too_long_leaves_the_cache_to_its_own_budget(
     own_reservations_dir: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Another process holds the directory's lock (stopped, ...): the save waits
     `LOCK_TIMEOUT_S`, warns, and is admitted on its own budget."""
     monkeypatch.setattr(host_reservations, "LOCK_TIMEOUT_S", 0.1)
-    os.makedirs(own_reservations_dir)
+    os.makedirs(own_reservations_dir, mode=0o700)
     held = os.open(os.path.join(own_reservations_dir, "lock"), os.O_RDWR | os.O_CREAT)
     fcntl.flock(held, fcntl.LOCK_EX)  # (another open file: the cache's flock conflicts with it)
     try:
         with caplog.at_level(logging.WARNING, logger="omni_pcache"), small_cache() as cache:
-            save_rows(cache, "a", 8)
+            save_rows(cache, "a")
     finally:
         os.close(held)
     assert any("its lock cannot be taken" in r.getMessage() for r in caplog.records)
 
 
-def test_the_directory_is_dev_shm_unless_set_and_empty_shares_nothing(
+def test_the_directory_is_this_users_in_dev_shm_unless_set_and_empty_shares_nothing(
     own_reservations_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv(ENV_DIR)
-    assert reservations_dir() == Path(DEFAULT_DIR) == Path("/dev/shm/omni_pcache")
+    namespace = os.stat("/proc/self/ns/pid").st_ino
+    assert reservations_dir() == Path(f"/dev/shm/omni_pcache-{os.getuid()}-{namespace}")
     monkeypatch.setenv(ENV_DIR, "")
     assert reservations_dir() is None
-    with small_cache(num_blocks=NUM_BLOCKS) as first, small_cache(num_blocks=NUM_BLOCKS) as second:
-        save_rows(first, "a", width_for(0.45))
-        save_rows(second, "a", width_for(0.45))
+    with reserving_cache(0.55) as first, reserving_cache(0.55) as second:
+        save_rows(first, "a")
+        save_rows(second, "a")
     assert not os.path.exists(own_reservations_dir)

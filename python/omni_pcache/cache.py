@@ -354,6 +354,7 @@ class PrefixCache:
             self._abandon_save(step_id, page, handle)
             self._keys.forget(added)  # (nothing is claimed on them yet; their copies have landed)
             self._storage.free(added)
+            self._budget.refresh()  # (the others need not count keys admitted for this step now)
             if self._failure is not None or isinstance(exc, CacheClosedError):  # every call raises the failure
                 raise self._closed_error("the cache was closed during save") from None
             raise

@@ -54,13 +54,14 @@ class CacheConfig:
     ``None`` (the default) takes this host's memory, the smaller of its physical memory and
     its control group's limit (`host_memory.host_memory_limit`, read when the cache is made):
     a pool past that allocates fine, since Linux lends more than it has, and is killed for
-    memory once the engine has used enough of its slots. With ``None`` the cache also counts
-    what the other caches on this host hold, in this process or others (an omni pipeline's
-    stages), as they share it through ``/dev/shm/omni_pcache`` (`host_reservations`). A number
-    is this cache's share: the cache is held to it, and with the others to the host's memory.
-    A number past the host's memory says that is not the limit here (swap, ...): the cache is
-    held to its number alone (the others still count what it holds). Set a share where
-    processes without a cache need much of the host.
+    memory once the engine has used enough of its slots. Every cache also counts what the
+    other live caches of this user on the host (or in its container) hold, in this process or
+    others (an omni pipeline's stages), shared through a directory in ``/dev/shm``
+    (`host_reservations`; the variable ``OMNI_PCACHE_RESERVATIONS_DIR`` names another, and
+    empty shares none). A number is this cache's share: the cache is held to it, and with the
+    others to the host's memory. A number past the host's memory says that is not the limit
+    here (swap, ...): the cache is held to its number alone (the others still count what it
+    holds). Set a share where processes without a cache need much of the host.
 
     ``prefetch_hits``: at `PrefixCache.begin_step`, hand the committer thread a gather of each
     new hit's committed prefix rows, which it runs during the forward (`omni_pcache.prefetch`),

@@ -55,9 +55,10 @@ class HostBudget:
         self._ledger = ledger
         self._deferred = deferred  # (keys kept on the device until finish: no staging pages)
         self._max_preserved_rows = config.max_preserved_rows
-        # The widest row of any key admitted (kept after a key is forgotten: an over-estimate,
-        # as a refused save's keys are rare, never an under-estimate).
-        self._widest_row = 0
+        # The row bytes of each key admitted: the widest of those the cache holds (and the new
+        # keys') sizes the room kept aside for late reads.
+        self._row_bytes: dict[str, int] = {}
+        self._recorded: int | None = None  # (what `record` last wrote for the others to count)
         self._shared = HostReservations(reservations_dir() if host is not None else None)
 
     @property
@@ -72,31 +73,20 @@ class HostBudget:
         what the cache holds for the others to count."""
         if self._limit is None:  # (and so no host's memory known either)
             return
-        column_bytes = self._ledger.key_column_bytes
-        pool, pages = self._pool, self._pages  # (pinned storage at its page-locked size: `footprint`)
-        held: dict[str, int] = {}
-        for store in (pool, pages):
-            for name, nbytes in store.nbytes().items():
-                held[name] = held.get(name, 0) + footprint(nbytes, store.pinned)
-        needs = {
-            spec.describe(): footprint(pool.bytes_for(spec), pool.pinned)
-            + (0 if spec.name in self._deferred else footprint(pages.bytes_for(spec), pages.pinned))
-            for spec in new
-        }
-        columns = (self._ledger.num_keys + new_columns) * column_bytes
-        widest = max(self._widest_row, *(spec.row_bytes for spec in new))
+        held, needs, columns, widest = self._holding(new, new_columns)
         preserved = self._max_preserved_rows * widest
         total = sum(held.values()) + sum(needs.values()) + columns + preserved
         others: list[Reservation] = []
-        if self._limit is None or total <= self._limit:
+        if total <= self._limit:
             with self._shared.admit() as others:
                 if self._host is None or total + sum(other.nbytes for other in others) <= self._host:
-                    self._widest_row = widest
+                    self._row_bytes.update((spec.name, spec.row_bytes) for spec in new)
                     self._shared.record(total)
+                    self._recorded = total
                     return
         listed = ", ".join(f"{what}: {size_text(nbytes)}" for what, nbytes in needs.items())
         holding = ", ".join(f"{name!r}: {size_text(nbytes)}" for name, nbytes in held.items()) or "none"
-        if self._limit is not None and total > self._limit:
+        if total > self._limit:
             past = f", past {self._limit_name}: {size_text(self._limit)} ({self._limit:,} bytes)"
             advice = "Cache fewer keys (CachePolicy), lower num_blocks, or raise CacheConfig.host_budget_bytes"
         else:
@@ -110,6 +100,37 @@ class HostBudget:
             f"Ledger columns: {size_text(columns)}. Rows kept aside for late reads, at most: {size_text(preserved)} "
             f"(max_preserved_rows of the widest row). {advice}"
         )
+
+    def refresh(self) -> None:
+        """After a save refused once its keys were admitted (their storage could not be
+        allocated, ...): records what the cache holds now, if less than it last recorded, so
+        the others do not count keys it dropped (engine thread)."""
+        if self._recorded is None:
+            return
+        held, _, columns, widest = self._holding((), 0)
+        total = sum(held.values()) + columns + self._max_preserved_rows * widest
+        if total < self._recorded:
+            with self._shared.admit():
+                self._shared.record(total)
+                self._recorded = total
+
+    def _holding(self, new: Sequence[KeySpec], new_columns: int) -> tuple[dict[str, int], dict[str, int], int, int]:
+        """What the cache holds per key, what each of the ``new`` keys needs (pinned storage at
+        its page-locked size: `footprint`), the bytes of the ledger's columns with
+        ``new_columns`` more, and the widest row of the keys held and the new ones."""
+        pool, pages = self._pool, self._pages
+        held: dict[str, int] = {}
+        for store in (pool, pages):
+            for name, nbytes in store.nbytes().items():
+                held[name] = held.get(name, 0) + footprint(nbytes, store.pinned)
+        needs = {
+            spec.describe(): footprint(pool.bytes_for(spec), pool.pinned)
+            + (0 if spec.name in self._deferred else footprint(pages.bytes_for(spec), pages.pinned))
+            for spec in new
+        }
+        columns = (self._ledger.num_keys + new_columns) * self._ledger.key_column_bytes
+        widest = max((*(self._row_bytes.get(name, 0) for name in held), *(spec.row_bytes for spec in new)), default=0)
+        return held, needs, columns, widest
 
     def release(self) -> None:
         """Gives up this cache's reservation (any thread; idempotent): at `PrefixCache.close`."""

@@ -1,37 +1,46 @@
-"""`HostReservations`: what each cache on this host holds, shared between processes, so that
-the caches of several processes (an omni pipeline's stages, each its own vLLM engine) are held
-to the host's memory together, not each to all of it.
+"""`HostReservations`: what each cache holds, shared between the processes of one host (or
+container), so that the caches of several processes (an omni pipeline's stages, each its own
+vLLM engine) are held to the host's memory together, not each to all of it.
 
-Each cache with a host budget keeps one small file in a shared directory: ``/dev/shm/omni_pcache``
-(the host's tmpfs, shared by the processes of one machine or container), or the directory
-named by the environment variable ``OMNI_PCACHE_RESERVATIONS_DIR`` (empty: nothing shared).
-The file names its process and the bytes the cache's keys hold, as `host_budget.HostBudget`
-last admitted them; each cache counts the other caches' files with its own keys against this
-host's memory (but for a cache whose ``host_budget_bytes`` is past the host's memory, which is
-held to that budget alone).
+Each cache with a known host limit keeps one small file in a directory of this user's, by
+default ``/dev/shm/omni_pcache-<uid>-<pid namespace>`` (the processes of one host, or of one
+container: a container has a pid namespace, and a memory limit, of its own), or the one named
+by the environment variable ``OMNI_PCACHE_RESERVATIONS_DIR`` (empty: nothing shared). The file
+says which process holds it and the bytes the cache's keys hold, as `host_budget.HostBudget`
+last admitted them. Each cache counts the other caches' files with its own keys against the
+host's memory (but for a cache whose ``host_budget_bytes`` is past it: `HostBudget`).
 
-A file whose process has exited (no such process, or another one with the same id: its start
-time differs) is not counted, and is removed. A file of another pid namespace is counted, as its
-process cannot be looked up. The file goes when its cache is closed or collected.
+A cache holds a shared ``flock`` on its file as long as it lives; the kernel lets go of it
+when the process ends, however it ends. A file that no process holds so is not counted and is
+removed: its cache's process exited without closing it. A forked child keeps its parent's
+files held until it exits too (counted meanwhile: never too little).
 
-Threads: `admit` runs on the engine thread (from `HostBudget.check`) and holds an exclusive
-``flock`` on the directory's lock file while it reads the others and writes its own, so two
-caches admitting keys at once see each other. `release` runs on any thread.
+The directory must be a real directory of this user's that no other user can write (it is
+made so: mode 0700), so caches of other users are not counted, and cannot plant files or links
+for a cache to follow; files in it that are not plain, small, well-formed files are ignored.
 
-It never fails a cache: where the directory cannot be made, written or locked (in 5 s), or where
-processes cannot be looked up (no ``/proc``), each cache keeps to its own budget, and one
-warning says so.
+Threads: `admit` runs on the engine thread (`HostBudget.check`, `HostBudget.refresh`) and holds
+an exclusive ``flock`` on the directory's ``lock`` file while it reads the others and `record`
+writes this cache's, so two caches admitting keys at once see each other. `release` runs on
+any thread (at close; when the cache is collected; at exit), and a `record` racing it writes
+nothing.
+
+Nothing here raises into a cache: where the directory cannot be made, read, written or locked
+(in `LOCK_TIMEOUT_S`), one warning names it and the cache keeps to its own budget from then on,
+its file (if any) still held and counted by the others at what it last recorded.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import itertools
 import json
 import logging
 import os
+import stat
+import threading
 import time
+import uuid
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,10 +49,10 @@ from pathlib import Path
 logger = logging.getLogger("omni_pcache")
 
 ENV_DIR = "OMNI_PCACHE_RESERVATIONS_DIR"
-DEFAULT_DIR = "/dev/shm/omni_pcache"
 LOCK_TIMEOUT_S = 5.0
+MAX_FILE_BYTES = 4096  # (a reservation is ~100 bytes; anything larger is not one)
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 
-_serials = itertools.count()  # (one file per cache of this process)
 _warned: set[str] = set()  # (directories already warned about: one warning each)
 
 
@@ -57,31 +66,16 @@ class Reservation:
 
 
 def reservations_dir() -> Path | None:
-    """The shared directory in effect: ``OMNI_PCACHE_RESERVATIONS_DIR`` if set (empty: ``None``,
-    nothing shared), else ``/dev/shm/omni_pcache``."""
-    text = os.environ.get(ENV_DIR, DEFAULT_DIR)
-    return Path(text) if text else None
-
-
-def _proc_start_time(pid: int) -> int | None:
-    """The start time of process ``pid`` (``/proc/<pid>/stat``, field 22), ``None`` when no
-    such process is seen."""
+    """The directory in effect: ``OMNI_PCACHE_RESERVATIONS_DIR`` if set (empty: ``None``,
+    nothing shared), else ``/dev/shm/omni_pcache-<uid>-<pid namespace>``."""
+    text = os.environ.get(ENV_DIR)
+    if text is not None:
+        return Path(text) if text else None
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (OSError, ValueError):
-        return None
-    fields = stat.rpartition(")")[2].split()  # (the name in brackets may hold spaces)
-    try:
-        return int(fields[19])  # (field 22; the split starts at field 3)
-    except (IndexError, ValueError):
-        return None
-
-
-def _pid_namespace() -> str | None:
-    try:
-        return os.readlink("/proc/self/ns/pid")
+        namespace = os.stat("/proc/self/ns/pid").st_ino
     except OSError:
-        return None
+        namespace = 0
+    return Path("/dev/shm") / f"omni_pcache-{os.getuid()}-{namespace}"
 
 
 def _process_name() -> str:
@@ -91,11 +85,24 @@ def _process_name() -> str:
         return "?"
 
 
-def _unlink(path: Path, owner: int) -> None:
-    # (a forked child's copy of the finalizer leaves its parent's file alone)
-    if os.getpid() == owner:
-        with contextlib.suppress(OSError):
-            path.unlink()
+class _OwnFile:
+    """This cache's file: its path and the descriptor that holds its shared flock."""
+
+    def __init__(self) -> None:
+        self.path: Path | None = None
+        self.fd: int | None = None
+        self.owner = os.getpid()
+
+    def drop(self) -> None:
+        """Removes the file (in the process that made it: a forked child's copy leaves it) and
+        lets go of its flock."""
+        if self.path is not None and os.getpid() == self.owner:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+        self.path = self.fd = None
 
 
 class HostReservations:
@@ -103,66 +110,74 @@ class HostReservations:
 
     def __init__(self, directory: Path | None) -> None:
         self._dir = directory
-        self._pid = os.getpid()
-        self._namespace = _pid_namespace()
-        self._start = _proc_start_time(self._pid)
-        if directory is not None and (self._namespace is None or self._start is None):
-            self._give_up("processes cannot be looked up here (no /proc)")
-        self._path = None if self._dir is None else self._dir / f"{self._pid}-{next(_serials)}.json"
-        self._release = weakref.finalize(self, _unlink, self._path, self._pid) if self._path else None
-
-    @property
-    def shared(self) -> bool:
-        """Whether this cache's reservation is shared (the directory is usable so far)."""
-        return self._dir is not None
+        self._lock = threading.Lock()  # (a `record` racing `release`: a close during a save)
+        self._released = False
+        self._file = _OwnFile()
+        self._drop = weakref.finalize(self, self._file.drop)  # (at release, collection or exit)
 
     @contextlib.contextmanager
     def admit(self) -> Iterator[list[Reservation]]:
         """Holds the directory's lock and yields the other live caches' reservations; a
         `record` inside keeps this cache's admitted bytes before the lock is let go. Not shared
         (or the directory fails now): yields none, and `record` does nothing."""
-        if self._dir is None:
+        directory = self._dir
+        if directory is None:
             yield []
             return
         try:
-            lock = self._lock()
-        except OSError as exc:
+            lock = self._take_lock(directory)
+        except Exception as exc:  # (OSError mostly: nothing may raise into the cache)
             self._give_up(f"its lock cannot be taken ({exc})")
             yield []
             return
         try:
-            yield self._others()
+            try:
+                others = self._others(directory)
+            except Exception as exc:
+                self._give_up(f"it cannot be read ({exc})")
+                others = []
+            yield others
         finally:
-            os.close(lock)  # (lets the flock go)
+            with contextlib.suppress(OSError):
+                fcntl.flock(lock, fcntl.LOCK_UN)  # (before the close: a forked child's copy keeps no lock)
+            os.close(lock)
 
     def record(self, nbytes: int) -> None:
-        """Writes ``nbytes`` as this cache's reservation (inside `admit`, which holds the lock)."""
-        if self._dir is None or self._path is None:
-            return
-        entry = {"pid": self._pid, "start": self._start, "pidns": self._namespace, "name": _process_name()}
-        scratch = self._path.with_name(f".{self._path.name}.tmp")
-        try:
-            scratch.write_text(json.dumps({**entry, "bytes": nbytes}))
-            os.replace(scratch, self._path)
-        except OSError as exc:
-            self._give_up(f"a file cannot be written there ({exc})")
+        """Writes ``nbytes`` as this cache's reservation (inside `admit`, which holds the
+        directory's lock, so no other cache sees the file unheld or half written)."""
+        with self._lock:
+            if self._dir is None or self._released:
+                return
+            try:
+                if self._file.fd is None:
+                    path = self._dir / f"{uuid.uuid4().hex}.json"
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
+                    self._file.path, self._file.fd = path, fd
+                    fcntl.flock(fd, fcntl.LOCK_SH)  # (held while this cache lives)
+                entry = {"pid": os.getpid(), "name": _process_name(), "bytes": int(nbytes)}
+                data = json.dumps(entry).encode()
+                os.ftruncate(self._file.fd, 0)
+                os.pwrite(self._file.fd, data, 0)
+            except Exception as exc:
+                self._give_up(f"a file cannot be written there ({exc})")
 
     def release(self) -> None:
-        """Removes this cache's file (any thread; idempotent)."""
-        if self._release is not None:
-            self._release()
+        """Removes this cache's file and lets go of it (any thread; idempotent)."""
+        with self._lock:
+            self._released = True
+        self._drop()
 
-    def _lock(self) -> int:
-        """Opens the directory's lock file (making both if needed) and takes its flock, trying
-        for `LOCK_TIMEOUT_S`; returns the open descriptor (closing it lets the lock go)."""
-        assert self._dir is not None
-        if not self._dir.is_dir():
-            with contextlib.suppress(FileExistsError):
-                self._dir.mkdir(parents=True)
-                os.chmod(self._dir, 0o1777)  # (as /tmp: every user's caches share it, each removes its own)
-        fd = os.open(self._dir / "lock", os.O_RDWR | os.O_CREAT, 0o666)
-        with contextlib.suppress(OSError):
-            os.fchmod(fd, 0o666)  # (past the umask, where this process made it: other users lock it too)
+    def _take_lock(self, directory: Path) -> int:
+        """Makes the directory if needed, checks it is this user's alone, opens its lock file
+        and takes the exclusive flock, trying for `LOCK_TIMEOUT_S`; returns the descriptor."""
+        with contextlib.suppress(FileExistsError):
+            directory.mkdir(mode=0o700, parents=True)
+        st = os.lstat(directory)
+        if not stat.S_ISDIR(st.st_mode):
+            raise OSError("it is not a directory (a link?)")
+        if st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise OSError(f"another user owns it or may write to it (uid {st.st_uid}, mode {st.st_mode & 0o7777:o})")
+        fd = os.open(directory / "lock", os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, 0o600)
         deadline = time.monotonic() + LOCK_TIMEOUT_S
         while True:
             try:
@@ -171,30 +186,21 @@ class HostReservations:
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     os.close(fd)
-                    raise OSError(f"held by another process for over {LOCK_TIMEOUT_S:g} s") from None
+                    raise OSError(f"another process held it for over {LOCK_TIMEOUT_S:g} s") from None
                 time.sleep(0.01)
-            except OSError:
+            except BaseException:
                 os.close(fd)
                 raise
 
-    def _others(self) -> list[Reservation]:
-        """The reservations of the other caches whose process lives (or cannot be looked up);
-        removes the files of exited processes. Under the directory's lock."""
-        assert self._dir is not None
+    def _others(self, directory: Path) -> list[Reservation]:
+        """The reservations of the other live caches; removes the files no cache holds. Under
+        the directory's lock."""
         found = []
-        for path in self._dir.glob("*.json"):
-            if path == self._path:
-                continue
-            try:
-                entry = json.loads(path.read_text())
-                pid, nbytes = int(entry["pid"]), int(entry["bytes"])
-            except (OSError, ValueError, KeyError, TypeError):
-                continue  # (removed meanwhile, or not ours to read)
-            if entry.get("pidns") == self._namespace and _proc_start_time(pid) != entry.get("start"):
-                with contextlib.suppress(OSError):
-                    path.unlink()  # (its process exited without removing it: killed, ...)
-                continue
-            found.append(Reservation(pid, str(entry.get("name", "?")), nbytes))
+        for path in directory.iterdir():
+            if path.suffix == ".json" and path != self._file.path:
+                reservation = _read_live(path)
+                if reservation is not None:
+                    found.append(reservation)
         return found
 
     def _give_up(self, why: str) -> None:
@@ -202,8 +208,8 @@ class HostReservations:
         if directory not in _warned:
             _warned.add(directory)
             logger.warning(
-                "omni_pcache: host memory reservations are not shared through %s: %s; each cache keeps to its "
-                "own host budget (set %s to another directory, or to '' to share none)",
+                "omni_pcache: host memory reservations are not shared through %s: %s; this cache keeps to its "
+                "own host budget from now on (set %s to another directory, or to '' to share none)",
                 directory,
                 why,
                 ENV_DIR,
@@ -211,4 +217,33 @@ class HostReservations:
         self._dir = None
 
 
-__all__ = ["DEFAULT_DIR", "ENV_DIR", "HostReservations", "Reservation", "reservations_dir"]
+def _read_live(path: Path) -> Reservation | None:
+    """The reservation in ``path`` if a live cache holds it; removes it if none does; ``None``
+    too for what is not a plain, small, well-formed reservation file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _OPEN_FLAGS)
+    except OSError:
+        return None  # (removed meanwhile, a link, not ours to read)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_FILE_BYTES:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pass  # (its cache holds it: alive)
+        else:
+            path.unlink()  # (no process holds it: its cache's process exited without closing it)
+            return None
+        entry = json.loads(os.pread(fd, MAX_FILE_BYTES, 0))
+        pid, name, nbytes = entry["pid"], entry.get("name", "?"), entry["bytes"]
+        if not all(type(n) is int and 0 <= n < 2**62 for n in (pid, nbytes)):
+            return None
+        return Reservation(pid, str(name)[:64], nbytes)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        return None
+    finally:
+        os.close(fd)
+
+
+__all__ = ["ENV_DIR", "HostReservations", "Reservation", "reservations_dir"]
