@@ -156,12 +156,16 @@ def test_a_file_is_counted_while_a_process_holds_it(own_reservations_dir: str) -
     assert not path.exists()
 
 
-def test_files_that_are_not_reservations_are_ignored(own_reservations_dir: str) -> None:
+def test_files_that_are_not_reservations_are_ignored(
+    own_reservations_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """A fifo (which a read would wait on), a link, a large file and entries with numbers out
-    of range or of the wrong type neither count nor raise into the save."""
+    of range or of the wrong type neither count (a negative figure would make room) nor raise
+    into the save, and the caches go on sharing."""
+    limit = host_memory_limit()
     junk = [
         {"pid": 1, "bytes": 1e400},
-        {"pid": 1, "bytes": -(1 << 50)},
+        {"pid": 1, "bytes": -limit},
         {"pid": "1", "bytes": 1 << 50},
         {"pid": 1, "bytes": True},
         {"pid": 1},
@@ -179,12 +183,16 @@ def test_files_that_are_not_reservations_are_ignored(own_reservations_dir: str) 
     held.append(os.open(nested, os.O_RDONLY))
     fcntl.flock(held[-1], fcntl.LOCK_SH)
     try:
-        with reserving_cache(0.6) as first, reserving_cache(0.3) as second:
-            save_rows(first, "a")
-            save_rows(second, "a")
+        with caplog.at_level(logging.WARNING, logger="omni_pcache"):
+            with reserving_cache(0.6) as first, reserving_cache(0.3) as second, reserving_cache(0.3) as third:
+                save_rows(first, "a")
+                save_rows(second, "a")
+                with pytest.raises(ConfigError, match="other caches on this host hold"):
+                    save_rows(third, "a")
     finally:
         for fd in held:
             os.close(fd)
+    assert not [r for r in caplog.records if "not shared" in r.getMessage()]
 
 
 def test_a_budget_of_its_own_is_held_to_the_host_with_the_others(own_reservations_dir: str) -> None:
@@ -231,7 +239,7 @@ def test_a_key_refused_after_its_admission_is_no_longer_counted(own_reservations
     """A key admitted (a budget past the host lets it be tried) whose pool cannot be allocated:
     the save is refused, and the cache's file says what it holds then: what it held before and
     the key's ledger columns (kept for the next key), not the key's pool or its wider rows."""
-    with reserving_cache(0.1, host_budget_bytes=2**62) as cache:
+    with small_cache(host_budget_bytes=2**62) as cache:
         save_rows(cache, "a")
         (path,) = Path(own_reservations_dir).glob("*.json")
         before = json.loads(path.read_text())["bytes"]
@@ -264,9 +272,9 @@ def test_a_close_racing_a_save_leaves_no_file(own_reservations_dir: str, monkeyp
     assert entered.wait(10)
     closer = threading.Thread(target=cache.close)
     closer.start()
+    closer.join(10)  # (closed while the save waits to admit its keys)
     go_on.set()
     saver.join(10)
-    closer.join(10)
     assert not saver.is_alive() and not closer.is_alive()
     assert reservation_files(own_reservations_dir) == []
 
@@ -308,6 +316,34 @@ def test_a_forked_child_leaves_its_parents_file_held(own_reservations_dir: str) 
     assert done.stdout == "held\n"
 
 
+def test_a_file_removed_by_someone_else_is_made_again(own_reservations_dir: str) -> None:
+    """Its file removed (logind's RemoveIPC at logout, a cleanup of /dev/shm, ...), a cache
+    makes it again at its next admission, counted by the others with all its keys."""
+    with reserving_cache(0.3) as cache:
+        save_rows(cache, "a")
+        for path in Path(own_reservations_dir).glob("*.json"):
+            path.unlink()
+        save_rows(cache, "b", {"codes": torch.zeros(4, 2 * WIDTH)})  # (now 60%)
+        assert len(reservation_files(own_reservations_dir)) == 1
+        with reserving_cache(0.45) as other, pytest.raises(ConfigError, match="another cache of this process"):
+            save_rows(other, "a")
+
+
+def test_a_directory_whose_locks_do_not_hold_is_not_used(
+    own_reservations_dir: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where a flock keeps nothing off (a filesystem without working locks), a live cache's
+    file would look dead to the others: the first cache to make its file there warns and keeps
+    to its own budget, leaving no file."""
+    monkeypatch.setattr(fcntl, "flock", lambda fd, operation: None)
+    with caplog.at_level(logging.WARNING, logger="omni_pcache"):
+        with reserving_cache(0.55) as first, reserving_cache(0.55) as second:
+            save_rows(first, "a")
+            save_rows(second, "a")
+    assert any("its file locks do not hold" in r.getMessage() for r in caplog.records)
+    assert reservation_files(own_reservations_dir) == []
+
+
 @pytest.mark.parametrize("how", ["a file in the way", "a directory other users may write"])
 def test_an_unusable_directory_leaves_each_cache_to_its_own_budget(
     how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
@@ -330,21 +366,25 @@ def test_an_unusable_directory_leaves_each_cache_to_its_own_budget(
     assert len(warnings) == 1 and str(directory) in warnings[0] and ENV_DIR in warnings[0]
 
 
-def test_a_lock_held_too_long_leaves_the_cache_to_its_own_budget(
+def test_a_lock_held_too_long_admits_alone_and_the_next_admission_shares_again(
     own_reservations_dir: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Another process holds the directory's lock (stopped, ...): the save waits
-    `LOCK_TIMEOUT_S`, warns, and is admitted on its own budget."""
+    `LOCK_TIMEOUT_S`, warns, and its keys are admitted counting no others, but recorded; once
+    the lock is free, the next cache's admission counts them."""
     monkeypatch.setattr(host_reservations, "LOCK_TIMEOUT_S", 0.1)
     os.makedirs(own_reservations_dir, mode=0o700)
     held = os.open(os.path.join(own_reservations_dir, "lock"), os.O_RDWR | os.O_CREAT)
     fcntl.flock(held, fcntl.LOCK_EX)  # (another open file: the cache's flock conflicts with it)
     try:
-        with caplog.at_level(logging.WARNING, logger="omni_pcache"), small_cache() as cache:
-            save_rows(cache, "a")
+        with caplog.at_level(logging.WARNING, logger="omni_pcache"):
+            first = reserving_cache(0.55)
+            save_rows(first, "a")
     finally:
         os.close(held)
-    assert any("its lock cannot be taken" in r.getMessage() for r in caplog.records)
+    assert any("its lock was not free for 0.1 s" in r.getMessage() for r in caplog.records)
+    with first, reserving_cache(0.55) as second, pytest.raises(ConfigError, match="another cache of this process"):
+        save_rows(second, "a")
 
 
 def test_the_directory_is_this_users_in_dev_shm_unless_set_and_empty_shares_nothing(

@@ -7,13 +7,16 @@ default ``/dev/shm/omni_pcache-<uid>-<pid namespace>`` (the processes of one hos
 container: a container has a pid namespace, and a memory limit, of its own), or the one named
 by the environment variable ``OMNI_PCACHE_RESERVATIONS_DIR`` (empty: nothing shared). The file
 says which process holds it and the bytes the cache's keys hold, as `host_budget.HostBudget`
-last admitted them. Each cache counts the other caches' files with its own keys against the
-host's memory (but for a cache whose ``host_budget_bytes`` is past it: `HostBudget`).
+last admitted them (or lowered them, after a refused save). Each cache counts the other
+caches' files with its own keys against the host's memory (but for a cache whose
+``host_budget_bytes`` is past it: `HostBudget`).
 
 A cache holds a shared ``flock`` on its file as long as it lives; the kernel lets go of it
 when the process ends, however it ends. A file that no process holds so is not counted and is
 removed: its cache's process exited without closing it. A forked child keeps its parent's
-files held until it exits too (counted meanwhile: never too little).
+files held until it exits too (counted meanwhile: never too little). The directory must be on
+a local filesystem whose locks hold (tmpfs, ...): a cache checks that they do when it makes its
+file. A cache whose file was removed by someone else makes a new one at its next admission.
 
 The directory must be a real directory of this user's that no other user can write (it is
 made so: mode 0700), so caches of other users are not counted, and cannot plant files or links
@@ -25,9 +28,12 @@ writes this cache's, so two caches admitting keys at once see each other. `relea
 any thread (at close; when the cache is collected; at exit), and a `record` racing it writes
 nothing.
 
-Nothing here raises into a cache: where the directory cannot be made, read, written or locked
-(in `LOCK_TIMEOUT_S`), one warning names it and the cache keeps to its own budget from then on,
-its file (if any) still held and counted by the others at what it last recorded.
+Nothing here raises into a cache. Where the directory cannot be made, read or written, or its
+locks do not hold, one warning names it and the cache keeps to its own budget from then on,
+its file (if any) still held and counted by the others at what it last recorded. Where the
+directory's lock is not free within `LOCK_TIMEOUT_S` (its holder stopped, ...), that
+admission counts no others (with a warning) but still records its keys, and the next one
+tries again.
 """
 
 from __future__ import annotations
@@ -51,9 +57,10 @@ logger = logging.getLogger("omni_pcache")
 ENV_DIR = "OMNI_PCACHE_RESERVATIONS_DIR"
 LOCK_TIMEOUT_S = 5.0
 MAX_FILE_BYTES = 4096  # (a reservation is ~100 bytes; anything larger is not one)
+MAX_RESERVATION = 2**62 - 1  # (what a file may say: a larger figure is written as this)
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 
-_warned: set[str] = set()  # (directories already warned about: one warning each)
+_warned: set[tuple[str, bool]] = set()  # (one warning per directory, and per kind: timeout or given up)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +116,7 @@ class HostReservations:
     """This cache's file in the shared directory (`reservations_dir`; ``None``: nothing shared)."""
 
     def __init__(self, directory: Path | None) -> None:
-        self._dir = directory
+        self._dir = None if directory is None else directory.absolute()  # (a later chdir moves nothing)
         self._lock = threading.Lock()  # (a `record` racing `release`: a close during a save)
         self._released = False
         self._file = _OwnFile()
@@ -126,6 +133,10 @@ class HostReservations:
             return
         try:
             lock = self._take_lock(directory)
+        except TimeoutError as exc:  # (a holder stopped or swapped out: shared again next time)
+            self._warn(f"its lock was not free for {LOCK_TIMEOUT_S:g} s ({exc}); these keys are admitted alone")
+            yield []
+            return
         except Exception as exc:  # (OSError mostly: nothing may raise into the cache)
             self._give_up(f"its lock cannot be taken ({exc})")
             yield []
@@ -143,23 +154,37 @@ class HostReservations:
             os.close(lock)
 
     def record(self, nbytes: int) -> None:
-        """Writes ``nbytes`` as this cache's reservation (inside `admit`, which holds the
-        directory's lock, so no other cache sees the file unheld or half written)."""
+        """Writes ``nbytes`` as this cache's reservation (inside `admit`). Each figure goes to a
+        new file, held and written before it takes the place of the last one, so no other cache
+        ever sees this cache's file unheld or half written, nor misses it (one removed by
+        someone else, logind's RemoveIPC or a cleanup, is made again)."""
         with self._lock:
             if self._dir is None or self._released:
                 return
             try:
-                if self._file.fd is None:
-                    path = self._dir / f"{uuid.uuid4().hex}.json"
-                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
-                    self._file.path, self._file.fd = path, fd
-                    fcntl.flock(fd, fcntl.LOCK_SH)  # (held while this cache lives)
-                entry = {"pid": os.getpid(), "name": _process_name(), "bytes": int(nbytes)}
-                data = json.dumps(entry).encode()
-                os.ftruncate(self._file.fd, 0)
-                os.pwrite(self._file.fd, data, 0)
+                self._write(self._dir, min(int(nbytes), MAX_RESERVATION))
             except Exception as exc:
                 self._give_up(f"a file cannot be written there ({exc})")
+
+    def _write(self, directory: Path, nbytes: int) -> None:
+        scratch = directory / f".{uuid.uuid4().hex}.tmp"
+        fd = os.open(scratch, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # (held while this cache lives, or until its next figure)
+            if self._file.fd is None:
+                _check_locks_hold(scratch)
+            os.write(fd, json.dumps({"pid": os.getpid(), "name": _process_name(), "bytes": nbytes}).encode())
+            path = self._file.path or directory / f"{uuid.uuid4().hex}.json"
+            os.replace(scratch, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                scratch.unlink()
+            os.close(fd)
+            raise
+        last = self._file.fd
+        self._file.path, self._file.fd, self._file.owner = path, fd, os.getpid()
+        if last is not None:
+            os.close(last)
 
     def release(self) -> None:
         """Removes this cache's file and lets go of it (any thread; idempotent)."""
@@ -178,19 +203,19 @@ class HostReservations:
         if st.st_uid != os.getuid() or st.st_mode & 0o022:
             raise OSError(f"another user owns it or may write to it (uid {st.st_uid}, mode {st.st_mode & 0o7777:o})")
         fd = os.open(directory / "lock", os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, 0o600)
-        deadline = time.monotonic() + LOCK_TIMEOUT_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return fd
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    os.close(fd)
-                    raise OSError(f"another process held it for over {LOCK_TIMEOUT_S:g} s") from None
+        try:
+            deadline = time.monotonic() + LOCK_TIMEOUT_S
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return fd
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("another process holds it") from None
                 time.sleep(0.01)
-            except BaseException:
-                os.close(fd)
-                raise
+        except BaseException:
+            os.close(fd)
+            raise
 
     def _others(self, directory: Path) -> list[Reservation]:
         """The reservations of the other live caches; removes the files no cache holds. Under
@@ -201,29 +226,66 @@ class HostReservations:
                 reservation = _read_live(path)
                 if reservation is not None:
                     found.append(reservation)
+            elif path.suffix == ".tmp" and _stale(path):
+                with contextlib.suppress(OSError):
+                    path.unlink()  # (left by a process that died between making and placing a file)
         return found
 
     def _give_up(self, why: str) -> None:
-        directory = str(self._dir)
-        if directory not in _warned:
-            _warned.add(directory)
+        """Stops sharing for this cache (its file, if any, stays held at its last figure)."""
+        self._warn(f"{why}; this cache keeps to its own host budget from now on", for_good=True)
+        self._dir = None
+
+    def _warn(self, why: str, for_good: bool = False) -> None:
+        key = (str(self._dir), for_good)
+        if key not in _warned:
+            _warned.add(key)
             logger.warning(
-                "omni_pcache: host memory reservations are not shared through %s: %s; this cache keeps to its "
-                "own host budget from now on (set %s to another directory, or to '' to share none)",
-                directory,
+                "omni_pcache: host memory reservations are not shared through %s: %s (set %s to another "
+                "directory, or to '' to share none)",
+                key[0],
                 why,
                 ENV_DIR,
             )
-        self._dir = None
+
+
+def _stale(path: Path) -> bool:
+    """Whether a scratch file is a minute old and no process holds it."""
+    try:
+        if time.time() - os.lstat(path).st_mtime < 60:
+            return False
+        fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | _OPEN_FLAGS)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _check_locks_hold(path: Path) -> None:
+    """Raises `OSError` unless the shared flock just taken on ``path`` keeps an exclusive one
+    off (it would not on a filesystem without working locks)."""
+    probe = os.open(path, os.O_RDWR | _OPEN_FLAGS)
+    try:
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return
+    finally:
+        os.close(probe)
+    raise OSError("its file locks do not hold (not a local filesystem such as tmpfs?)")
 
 
 def _read_live(path: Path) -> Reservation | None:
     """The reservation in ``path`` if a live cache holds it; removes it if none does; ``None``
     too for what is not a plain, small, well-formed reservation file."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _OPEN_FLAGS)
+        fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | _OPEN_FLAGS)
     except OSError:
-        return None  # (removed meanwhile, a link, not ours to read)
+        return None  # (removed meanwhile, a link, a fifo no one writes, not ours to read)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_FILE_BYTES:
@@ -233,14 +295,16 @@ def _read_live(path: Path) -> Reservation | None:
         except BlockingIOError:
             pass  # (its cache holds it: alive)
         else:
-            path.unlink()  # (no process holds it: its cache's process exited without closing it)
+            with contextlib.suppress(OSError):
+                path.unlink()  # (no process holds it: its cache's process exited without closing it)
             return None
+        # (any other flock error is the caller's: `admit` stops sharing rather than count nothing)
         entry = json.loads(os.pread(fd, MAX_FILE_BYTES, 0))
         pid, name, nbytes = entry["pid"], entry.get("name", "?"), entry["bytes"]
         if not all(type(n) is int and 0 <= n < 2**62 for n in (pid, nbytes)):
             return None
         return Reservation(pid, str(name)[:64], nbytes)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
         return None
     finally:
         os.close(fd)
