@@ -255,12 +255,7 @@ def test_a_close_racing_a_save_leaves_no_file(own_reservations_dir: str, monkeyp
     cache = reserving_cache(0.1)
     entered, go_on = threading.Event(), threading.Event()
     admit = host_reservations.HostReservations.admit
-
-    def slow_admit(self):
-        entered.set()
-        go_on.wait(10)
-        return admit(self)
-
+    slow_admit = lambda self: (entered.set(), go_on.wait(10), admit(self))[2]  # noqa: E731
     monkeypatch.setattr(host_reservations.HostReservations, "admit", slow_admit)
 
     def save() -> None:
