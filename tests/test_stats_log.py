@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cachekit import slots_of, small_cache
-from omni_pcache import ConfigError, NewRequest, StepBatch, StepEvents
+from omni_pcache import CacheStats, ConfigError, NewRequest, StepBatch, StepEvents
 from omni_pcache.host_memory import size_text
 from omni_pcache.stats_log import StatsLog
 from vllm_replay import RECORDED, Runner, replay, scheduler_output, stage_configs, standin_types
@@ -52,6 +52,34 @@ def test_a_summary_counts_since_an_earlier_snapshot_and_says_what_the_cache_hold
             f". Now: host memory {held} (budget {size_text(now.host_budget_bytes)}), live requests 1, "
             "step ids not consumed 0, writes not in the pool 0"
         )
+
+
+def test_every_figure_of_a_summary_counts_since_the_earlier_snapshot() -> None:
+    """Snapshots made by hand: each count is the difference, each share of the rows served is
+    of this interval's rows, and what is held is the later snapshot's."""
+    earlier = CacheStats(hits=1, misses=1, rows_from_pool=10, rows_prefetched=10, num_waits=1, wait_time_s=0.25)
+    later = CacheStats(
+        hits=4,
+        misses=2,
+        rows_from_pool=60,
+        rows_in_flight=30,
+        rows_preserved=10,
+        rows_prefetched=35,
+        num_waits=3,
+        wait_time_s=1.0,
+        pool_bytes={"hidden": 3 << 20},
+        staging_bytes={"hidden": 1 << 20},
+        steps_outstanding=[7, 8],
+        tasks_live=5,
+        device_bytes=2 << 30,
+        requests_live=9,
+        host_budget_bytes=16 << 30,
+    )
+    assert later.summary(earlier) == (
+        "new requests 4, prefix hits 3 (75.0%), hit rows served 90 (from the pool 55.6%, in flight 33.3%, "
+        "preserved 11.1%; prefetched 27.8%), waits 2 (0.750 s). Now: host memory 4.0 MiB (budget 16.0 GiB), "
+        "live requests 9, step ids not consumed 2, writes not in the pool 5, deferred rows on the device 2.0 GiB"
+    )
 
 
 def test_the_log_writes_a_line_per_interval_counting_since_the_last(caplog: pytest.LogCaptureFixture) -> None:
