@@ -201,7 +201,7 @@ class PrefixCache:
             self._closed = True
             self._deferred.budget.close()  # a save waiting for device budget raises CacheClosedError
             self._finalizer()  # stops the committer once
-            self._budget.release()  # (other processes' caches may take its host memory now)
+            self._budget.release()  # (the other caches stop counting it: its storage goes once it is dropped)
             self._staging.close()
             with self._cond:
                 # (their records stay in the write records: a read under way still serves their rows
