@@ -1,17 +1,21 @@
-"""`omni-pcache demo`: a PASS on a small run, and one-line errors for bad options."""
+"""`omni-pcache demo`: a PASS on a small run, and one-line errors for bad options;
+`omni-pcache reservations`: the live caches on this host and what each holds."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from omni_pcache import cli
 from omni_pcache.cli import main
 from omni_pcache.engine.engine import EngineCapacityError
+from omni_pcache.host_memory import host_memory_limit
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -210,3 +214,41 @@ def test_a_run_the_engine_cannot_hold_is_a_usage_error_and_an_interrupt_is_130(m
     monkeypatch.setattr(cli, "run_demo", run)
     assert main(["demo"]) == code  # (not 1: FAIL means the rows were wrong)
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+# ---- omni-pcache reservations ---------------------------------------------------------------
+
+
+def test_reservations_lists_the_live_caches_with_what_each_holds(own_reservations_dir, capsys) -> None:
+    """Two live caches of this process: both listed, largest first, with the bytes their files
+    say and the total; a closed cache is no longer listed; the table names each process."""
+    from test_host_reservations import reserving_cache, save_rows
+
+    with reserving_cache(0.2) as small, reserving_cache(0.3) as large:
+        save_rows(small, "a")
+        save_rows(large, "a")
+        files = [json.loads(p.read_text())["bytes"] for p in Path(own_reservations_dir).glob("*.json")]
+        assert main(["reservations", "--json"]) == 0
+        listed = json.loads(capsys.readouterr().out)
+        assert [c["bytes"] for c in listed["caches"]] == sorted(files, reverse=True)
+        assert {c["pid"] for c in listed["caches"]} == {os.getpid()} and listed["total_bytes"] == sum(files)
+        assert listed["directory"] == own_reservations_dir and listed["host_bytes"] == host_memory_limit()
+        small.close()
+        assert main(["reservations"]) == 0
+        table = capsys.readouterr().out
+        assert str(os.getpid()) in table and f"{max(files):,} bytes" in table and f"{min(files):,} bytes" not in table
+    assert main(["reservations"]) == 0
+    assert capsys.readouterr().out.startswith("no live cache shares")
+
+
+def test_reservations_where_none_can_be_read_is_a_one_line_error(own_reservations_dir, monkeypatch, capsys) -> None:
+    os.makedirs(own_reservations_dir, mode=0o700)
+    os.chmod(own_reservations_dir, 0o777)
+    assert main(["reservations"]) == 2
+    assert capsys.readouterr().err == (
+        f"omni-pcache reservations: error: {own_reservations_dir} cannot be read: another user owns it or may "
+        f"write to it (uid {os.getuid()}, mode 777)\n"
+    )
+    monkeypatch.setenv("OMNI_PCACHE_RESERVATIONS_DIR", "")
+    assert main(["reservations", "--json"]) == 2
+    assert "is empty: caches share no reservations" in capsys.readouterr().err

@@ -1,5 +1,7 @@
 """`omni-pcache`: the command line. `omni-pcache demo` runs the embedded engine with the cache
-against the same engine with prefix caching off and checks the full-sequence contract."""
+against the same engine with prefix caching off and checks the full-sequence contract.
+`omni-pcache reservations` lists the host memory the live caches on this host hold (this
+user's, in this container: `omni_pcache.host_reservations`)."""
 
 from __future__ import annotations
 
@@ -72,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", choices=MODELS, default="transformer", help="(default: transformer)")
     demo.add_argument("--output-thread", action="store_true", help="materialize on a separate thread")
     demo.add_argument("--json", action="store_true", help="print the summary as JSON")
+    held = sub.add_parser("reservations", help="list the host memory the live caches on this host hold")
+    held.add_argument("--json", action="store_true", help="print the list as JSON")
     return parser
 
 
@@ -182,8 +186,44 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0 if summary["passed"] else 1
 
 
+def run_reservations(args: argparse.Namespace) -> int:
+    """Lists the live caches' reservations (`host_reservations.live_reservations`), their total
+    and this host's memory; exit status 2 where the directory cannot be read."""
+    from omni_pcache.host_memory import host_memory_limit, size_text
+    from omni_pcache.host_reservations import ENV_DIR, live_reservations, reservations_dir
+
+    directory = reservations_dir()
+    if directory is None:
+        print(f"omni-pcache reservations: error: {ENV_DIR} is empty: caches share no reservations", file=sys.stderr)
+        return 2
+    try:
+        found = sorted(live_reservations(directory), key=lambda r: (-r.nbytes, r.pid))
+    except OSError as exc:
+        print(f"omni-pcache reservations: error: {directory} cannot be read: {exc}", file=sys.stderr)
+        return 2
+    limit, total = host_memory_limit(), sum(r.nbytes for r in found)
+    if args.json:
+        caches = [{"pid": r.pid, "process": r.name, "bytes": r.nbytes} for r in found]
+        print(json.dumps({"directory": str(directory), "caches": caches, "total_bytes": total, "host_bytes": limit}))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    host = "unknown" if limit is None else f"{size_text(limit)} ({total / limit:.1%} held)"
+    table = Table(title=f"live caches sharing {directory}: {size_text(total)} held; host memory {host}")
+    for column in ("pid", "process", "holds"):
+        table.add_column(column, justify="right" if column != "process" else "left")
+    for r in found:
+        table.add_row(str(r.pid), r.name, f"{size_text(r.nbytes)} ({r.nbytes:,} bytes)")
+    console.print(table if found else f"no live cache shares {directory}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "reservations":
+        return run_reservations(args)
     if args.command == "demo":
         if args.num_blocks * args.block_size < 256:
             print("omni-pcache demo: error: --num-blocks x --block-size must hold at least 256 tokens", file=sys.stderr)

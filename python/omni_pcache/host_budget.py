@@ -93,7 +93,10 @@ class HostBudget:
             assert self._host is not None
             host = f"{size_text(self._host)} ({self._host:,} bytes)"
             past = f"{_with_others(total, others)}, past this host's memory: {host}"
-            advice = "Cache fewer keys (CachePolicy), lower num_blocks here or in the other caches, or close them"
+            advice = (
+                "Cache fewer keys (CachePolicy), lower num_blocks here or in the other caches, or close them "
+                "(`omni-pcache reservations` lists them)"
+            )
         raise ConfigError(
             f"this step's new keys would bring the cache's host memory to {size_text(total)} ({total:,} bytes)"
             f"{past}. New keys (pool and staging pages): {listed}. Keys held: {holding}. "

@@ -132,7 +132,7 @@ class HostReservations:
             yield []
             return
         try:
-            lock = self._take_lock(directory)
+            lock = _take_lock(directory)
         except TimeoutError as exc:  # (a holder stopped or swapped out: shared again next time)
             self._warn(f"its lock was not free for {LOCK_TIMEOUT_S:g} s ({exc}); these keys are admitted alone")
             yield []
@@ -143,15 +143,13 @@ class HostReservations:
             return
         try:
             try:
-                others = self._others(directory)
+                others = _live(directory, skip=self._file.path)
             except Exception as exc:
                 self._give_up(f"it cannot be read ({exc})")
                 others = []
             yield others
         finally:
-            with contextlib.suppress(OSError):
-                fcntl.flock(lock, fcntl.LOCK_UN)  # (before the close: a forked child's copy keeps no lock)
-            os.close(lock)
+            _let_go(lock)
 
     def record(self, nbytes: int) -> None:
         """Writes ``nbytes`` as this cache's reservation (inside `admit`). Each figure goes to a
@@ -192,45 +190,6 @@ class HostReservations:
             self._released = True
         self._drop()
 
-    def _take_lock(self, directory: Path) -> int:
-        """Makes the directory if needed, checks it is this user's alone, opens its lock file
-        and takes the exclusive flock, trying for `LOCK_TIMEOUT_S`; returns the descriptor."""
-        with contextlib.suppress(FileExistsError):
-            directory.mkdir(mode=0o700, parents=True)
-        st = os.lstat(directory)
-        if not stat.S_ISDIR(st.st_mode):
-            raise OSError("it is not a directory (a link?)")
-        if st.st_uid != os.getuid() or st.st_mode & 0o022:
-            raise OSError(f"another user owns it or may write to it (uid {st.st_uid}, mode {st.st_mode & 0o7777:o})")
-        fd = os.open(directory / "lock", os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, 0o600)
-        try:
-            deadline = time.monotonic() + LOCK_TIMEOUT_S
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    return fd
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError("another process holds it") from None
-                time.sleep(0.01)
-        except BaseException:
-            os.close(fd)
-            raise
-
-    def _others(self, directory: Path) -> list[Reservation]:
-        """The reservations of the other live caches; removes the files no cache holds. Under
-        the directory's lock."""
-        found = []
-        for path in directory.iterdir():
-            if path.suffix == ".json" and path != self._file.path:
-                reservation = _read_live(path)
-                if reservation is not None:
-                    found.append(reservation)
-            elif path.suffix == ".tmp" and _stale(path):
-                with contextlib.suppress(OSError):
-                    path.unlink()  # (left by a process that died between making and placing a file)
-        return found
-
     def _give_up(self, why: str) -> None:
         """Stops sharing for this cache (its file, if any, stays held at its last figure)."""
         self._warn(f"{why}; this cache keeps to its own host budget from now on", for_good=True)
@@ -247,6 +206,67 @@ class HostReservations:
                 why,
                 ENV_DIR,
             )
+
+
+def live_reservations(directory: Path) -> list[Reservation]:
+    """The reservations of the live caches sharing ``directory`` (the files of exited ones are
+    removed), read under its lock as a cache's admission reads them: for an operator's look
+    (`omni-pcache reservations`). None where no cache has made the directory. Raises `OSError`
+    (`TimeoutError` for a lock not free in `LOCK_TIMEOUT_S`) where it cannot be used."""
+    if not os.path.lexists(directory):
+        return []
+    lock = _take_lock(directory)
+    try:
+        return _live(directory, skip=None)
+    finally:
+        _let_go(lock)
+
+
+def _take_lock(directory: Path) -> int:
+    """Makes the directory if needed, checks it is this user's alone, opens its lock file and
+    takes the exclusive flock, trying for `LOCK_TIMEOUT_S`; returns the descriptor."""
+    with contextlib.suppress(FileExistsError):
+        directory.mkdir(mode=0o700, parents=True)
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode):
+        raise OSError("it is not a directory (a link?)")
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise OSError(f"another user owns it or may write to it (uid {st.st_uid}, mode {st.st_mode & 0o7777:o})")
+    fd = os.open(directory / "lock", os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, 0o600)
+    try:
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("another process holds it") from None
+            time.sleep(0.01)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _let_go(lock: int) -> None:
+    with contextlib.suppress(OSError):
+        fcntl.flock(lock, fcntl.LOCK_UN)  # (before the close: a forked child's copy keeps no lock)
+    os.close(lock)
+
+
+def _live(directory: Path, skip: Path | None) -> list[Reservation]:
+    """The reservations of the live caches in ``directory`` but ``skip`` (this cache's file);
+    removes the files no cache holds. Under the directory's lock."""
+    found = []
+    for path in directory.iterdir():
+        if path.suffix == ".json" and path != skip:
+            reservation = _read_live(path)
+            if reservation is not None:
+                found.append(reservation)
+        elif path.suffix == ".tmp" and _stale(path):
+            with contextlib.suppress(OSError):
+                path.unlink()  # (left by a process that died between making and placing a file)
+    return found
 
 
 def _stale(path: Path) -> bool:
@@ -310,4 +330,4 @@ def _read_live(path: Path) -> Reservation | None:
         os.close(fd)
 
 
-__all__ = ["ENV_DIR", "HostReservations", "Reservation", "reservations_dir"]
+__all__ = ["ENV_DIR", "HostReservations", "Reservation", "live_reservations", "reservations_dir"]
