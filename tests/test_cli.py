@@ -252,3 +252,15 @@ def test_reservations_where_none_can_be_read_is_a_one_line_error(own_reservation
     monkeypatch.setenv("OMNI_PCACHE_RESERVATIONS_DIR", "")
     assert main(["reservations", "--json"]) == 2
     assert "is empty: caches share no reservations" in capsys.readouterr().err
+
+
+def test_reservations_print_a_directory_name_as_it_is(tmp_path, monkeypatch, capsys) -> None:
+    """A directory whose name reads as rich markup is printed as named, not parsed."""
+    from test_host_reservations import reserving_cache, save_rows
+
+    directory = tmp_path / "res[/x][bold]y"
+    monkeypatch.setenv("OMNI_PCACHE_RESERVATIONS_DIR", str(directory))
+    with reserving_cache(0.1) as cache:
+        save_rows(cache, "a")
+        assert main(["reservations"]) == 0
+    assert f"live caches sharing {directory}: " in capsys.readouterr().out

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cachekit import SMALL_CACHE, slots_of, small_cache
+from cachekit import SMALL_CACHE, fail_first_pool_allocation, slots_of, small_cache
 from omni_pcache import (
     ConfigError,
     InvalidInputError,
@@ -107,7 +107,7 @@ def test_a_cache_of_another_process_holds_its_share_of_the_host_until_it_closes(
     with reserving_cache(0.55) as cache:
         with pytest.raises(ConfigError) as err:
             save_rows(cache, "a")
-        assert f"that other caches on this host hold (pid {child_cache.pid} (" in str(err.value)
+        assert f"that other caches on this host have reserved (pid {child_cache.pid} (" in str(err.value)
         assert "past this host's memory: " in str(err.value)
         assert cache.stats().pool_bytes == {}
         child_cache.stdin.write("close\n")
@@ -187,7 +187,7 @@ def test_files_that_are_not_reservations_are_ignored(
             with reserving_cache(0.6) as first, reserving_cache(0.3) as second, reserving_cache(0.3) as third:
                 save_rows(first, "a")
                 save_rows(second, "a")
-                with pytest.raises(ConfigError, match="other caches on this host hold"):
+                with pytest.raises(ConfigError, match="other caches on this host have reserved"):
                     save_rows(third, "a")
     finally:
         for fd in held:
@@ -204,7 +204,7 @@ def test_a_budget_of_its_own_is_held_to_the_host_with_the_others(own_reservation
     with reserving_cache(0.55, host_budget_bytes=host_memory_limit()) as second:
         with pytest.raises(ConfigError) as err:
             save_rows(second, "a")
-        assert "that other caches on this host hold (another cache of this process: " in str(err.value)
+        assert "that other caches on this host have reserved (another cache of this process: " in str(err.value)
         first.close()
         save_rows(second, "a")
 
@@ -236,18 +236,19 @@ def test_a_cache_counts_itself_once_as_its_keys_grow(own_reservations_dir: str) 
 
 
 def test_a_key_refused_after_its_admission_is_no_longer_counted(own_reservations_dir: str) -> None:
-    """A key admitted (a budget past the host lets it be tried) whose pool cannot be allocated:
-    the save is refused, and the cache's file says what it holds then: what it held before and
-    the key's ledger columns (kept for the next key), not the key's pool or its wider rows."""
-    with small_cache(host_budget_bytes=2**62) as cache:
+    """A key admitted whose pool cannot be allocated (the allocator refuses it): the save is
+    refused, and the cache's file, and its stats, say what it holds then: what it held before
+    and the key's ledger columns (kept for the next key), not the key's pool or its wider rows."""
+    with small_cache() as cache:
         save_rows(cache, "a")
         (path,) = Path(own_reservations_dir).glob("*.json")
         before = json.loads(path.read_text())["bytes"]
-        wide = torch.zeros(4, 1).expand(4, 2**36)  # (no pool of it can be allocated)
+        assert cache.stats().host_reserved_bytes == before
+        fail_first_pool_allocation(cache)
         with pytest.raises(InvalidInputError, match="cannot be allocated"):
-            save_rows(cache, "b", {"huge": wide})
+            save_rows(cache, "b", {"wide": torch.zeros(4, 4 * WIDTH)})
         columns = Ledger(SMALL_CACHE["num_blocks"] * BS, BS).key_column_bytes
-        assert json.loads(path.read_text())["bytes"] == before + columns
+        assert json.loads(path.read_text())["bytes"] == cache.stats().host_reserved_bytes == before + columns
 
 
 def test_a_close_racing_a_save_leaves_no_file(own_reservations_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cachekit import slots_of, small_cache
-from omni_pcache import CacheStats, ConfigError, NewRequest, StepBatch, StepEvents
+from omni_pcache import CacheStats, ConfigError, NewRequest, PrefixCache, StepBatch, StepEvents
 from omni_pcache.host_memory import size_text
 from omni_pcache.stats_log import StatsLog
 from vllm_replay import RECORDED, Runner, replay, scheduler_output, stage_configs, standin_types
@@ -48,8 +48,11 @@ def test_a_summary_counts_since_an_earlier_snapshot_and_says_what_the_cache_hold
         assert now.summary(first).startswith("new requests 1, prefix hits 1 (100.0%), hit rows served 4 (")
         assert first.summary().startswith("new requests 1, prefix hits 0 (0.0%), hit rows served 0, waits 0. ")
         assert now.summary(now).startswith("new requests 0, prefix hits 0 (0.0%), hit rows served 0, waits 0. ")
+        reserved = size_text(now.host_reserved_bytes)
+        assert now.host_reserved_bytes > 0
         assert now.summary().endswith(
-            f". Now: host memory {held} (budget {size_text(now.host_budget_bytes)}), live requests 1, "
+            f". Now: host memory {held} allocated, {reserved} reserved (budget {size_text(now.host_budget_bytes)}), "
+            "live requests 1, "
             "step ids not consumed 0, writes not in the pool 0"
         )
 
@@ -74,10 +77,12 @@ def test_every_figure_of_a_summary_counts_since_the_earlier_snapshot() -> None:
         device_bytes=2 << 30,
         requests_live=9,
         host_budget_bytes=16 << 30,
+        host_reserved_bytes=1 << 30,
     )
     assert later.summary(earlier) == (
         "new requests 4, prefix hits 3 (75.0%), hit rows served 90 (from the pool 55.6%, in flight 33.3%, "
-        "preserved 11.1%; prefetched 27.8%), waits 2 (0.750 s). Now: host memory 4.0 MiB (budget 16.0 GiB), "
+        "preserved 11.1%; prefetched 27.8%), waits 2 (0.750 s). Now: host memory 4.0 MiB allocated, 1.0 GiB "
+        "reserved (budget 16.0 GiB), "
         "live requests 9, step ids not consumed 2, writes not in the pool 5, deferred rows on the device 2.0 GiB"
     )
 
@@ -109,20 +114,54 @@ def test_the_log_writes_a_line_per_interval_counting_since_the_last(caplog: pyte
 LINE = re.compile(r"omni_pcache: last [\d.]+ s: new requests (\d+), prefix hits (\d+) ")
 
 
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def vllm_log():
+    """vLLM's own logging set-up in a worker: its "vllm" logger at INFO with a handler of its
+    own, not propagating, and nothing set up for other loggers (``omni_pcache`` stays at the
+    root's WARNING). Yields the lines that reach vLLM's handler."""
+    log, handler = logging.getLogger("vllm"), Lines()
+    before = (log.level, log.propagate)
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    yield handler.lines
+    log.removeHandler(handler)
+    log.level, log.propagate = before
+
+
 @pytest.mark.parametrize("output", ["inline", "late"])
-def test_the_vllm_output_rank_logs_its_counters_every_interval(caplog: pytest.LogCaptureFixture, output: str) -> None:
-    """With ``log_stats_interval_s=0`` the output rank logs a line at every step, and the
-    lines' counts add up to the cache's; by default (every 10 s) a short run logs none."""
-    with caplog.at_level(logging.INFO, logger="omni_pcache"):
-        runner = replay(T, output=output, init_options={"log_stats_interval_s": 0})
-    lines = [LINE.match(r.getMessage()) for r in caplog.records if "last" in r.getMessage()]
+def test_the_vllm_output_rank_logs_its_counters_where_vllm_logs(vllm_log: list[str], output: str) -> None:
+    """With ``log_stats_interval_s=0`` the output rank logs a line at every step, through
+    vLLM's handler, and the lines' counts add up to the cache's; the default is every 10 s."""
+    runner = replay(T, output=output, init_options={"log_stats_interval_s": 0})
+    lines = [LINE.match(line) for line in vllm_log if "last" in line]
     assert len(lines) == len(RECORDED) and all(lines)
     stats = runner.pcache_stats()
     assert sum(int(m[1]) for m in lines) == stats.hits + stats.misses > stats.hits == sum(int(m[2]) for m in lines) > 0
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="omni_pcache"):
-        replay(T, output=output)
-    assert not [r for r in caplog.records if "last" in r.getMessage()]
+    vllm_log.clear()
+    runner = replay(T, output=output)
+    assert runner._pcache_state.log_interval_s == 10.0 and runner._pcache_state.stats_log is not None
+    assert not [line for line in vllm_log if "last" in line]  # (a replay takes well under 10 s)
+
+
+def test_no_line_is_made_where_its_logger_does_not_show_info(vllm_log: list[str], monkeypatch) -> None:
+    """With vLLM's level at WARNING the counters are not even read for a line."""
+    logging.getLogger("vllm").setLevel(logging.WARNING)
+    read = []
+    monkeypatch.setattr(
+        PrefixCache, "stats", lambda self, read=read, stats=PrefixCache.stats: read.append(1) or stats(self)
+    )
+    replay(T, init_options={"log_stats_interval_s": 0})
+    assert read == [] and not [line for line in vllm_log if "last" in line]
 
 
 def test_other_ranks_log_nothing_and_a_bad_interval_is_refused(caplog: pytest.LogCaptureFixture) -> None:

@@ -543,6 +543,7 @@ class PrefixCache:
             requests_live=self._requests_live,
             reads_pending=self._ledger.num_pending_reads,
             host_budget_bytes=self._budget.limit,
+            host_reserved_bytes=self._budget.reserved,
         )
 
 

@@ -1,7 +1,7 @@
 """`omni-pcache`: the command line. `omni-pcache demo` runs the embedded engine with the cache
 against the same engine with prefix caching off and checks the full-sequence contract.
-`omni-pcache reservations` lists the host memory the live caches on this host hold (this
-user's, in this container: `omni_pcache.host_reservations`)."""
+`omni-pcache reservations` lists the host memory the live caches on this host have reserved
+(this user's, in this container: `omni_pcache.host_reservations`)."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", choices=MODELS, default="transformer", help="(default: transformer)")
     demo.add_argument("--output-thread", action="store_true", help="materialize on a separate thread")
     demo.add_argument("--json", action="store_true", help="print the summary as JSON")
-    held = sub.add_parser("reservations", help="list the host memory the live caches on this host hold")
+    held = sub.add_parser("reservations", help="list the host memory the live caches on this host have reserved")
     held.add_argument("--json", action="store_true", help="print the list as JSON")
     return parser
 
@@ -198,6 +198,12 @@ def run_reservations(args: argparse.Namespace) -> int:
         return 2
     try:
         found = sorted(live_reservations(directory), key=lambda r: (-r.nbytes, r.pid))
+    except TimeoutError:
+        print(
+            f"omni-pcache reservations: error: {directory} is locked by a cache admitting keys; try again",
+            file=sys.stderr,
+        )
+        return 2
     except OSError as exc:
         print(f"omni-pcache reservations: error: {directory} cannot be read: {exc}", file=sys.stderr)
         return 2
@@ -207,16 +213,22 @@ def run_reservations(args: argparse.Namespace) -> int:
         print(json.dumps({"directory": str(directory), "caches": caches, "total_bytes": total, "host_bytes": limit}))
         return 0
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
-    host = "unknown" if limit is None else f"{size_text(limit)} ({total / limit:.1%} held)"
-    table = Table(title=f"live caches sharing {directory}: {size_text(total)} held; host memory {host}")
-    for column in ("pid", "process", "holds"):
-        table.add_column(column, justify="right" if column != "process" else "left")
+    host = "unknown" if limit is None else f"{size_text(limit)} ({total / limit:.1%} reserved)"
+    place = escape(str(directory))
+    if not found:
+        console.print(f"no live cache shares {place}", soft_wrap=True)
+        return 0
+    table = Table()
+    for column in ("pid", "process", "reserved"):
+        table.add_column(column, justify="left" if column == "process" else "right")
     for r in found:
-        table.add_row(str(r.pid), r.name, f"{size_text(r.nbytes)} ({r.nbytes:,} bytes)")
-    console.print(table if found else f"no live cache shares {directory}")
+        table.add_row(str(r.pid), escape(r.name), f"{size_text(r.nbytes)} ({r.nbytes:,} bytes)")
+    console.print(f"live caches sharing {place}: {size_text(total)} reserved; host memory {host}", soft_wrap=True)
+    console.print(table)
     return 0
 
 

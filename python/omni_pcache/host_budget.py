@@ -66,6 +66,12 @@ class HostBudget:
         """The budget in bytes (``None``: none known)."""
         return self._limit
 
+    @property
+    def reserved(self) -> int:
+        """What the budget counted this cache holding at its last admission (or `refresh`),
+        as the other caches count it: 0 before any."""
+        return self._recorded or 0
+
     def check(self, new: Sequence[KeySpec], new_columns: int) -> None:
         """Raises `ConfigError` when the ``new`` keys' storage (and ``new_columns`` more ledger
         columns: a forgotten key's are reused) would take what the cache holds past its budget,
@@ -108,7 +114,7 @@ class HostBudget:
         """After a save refused once its keys were admitted (their storage could not be
         allocated, ...): records what the cache holds now, if less than it last recorded, so
         the others do not count keys it dropped (engine thread)."""
-        if self._recorded is None:
+        if self._recorded is None or self._shared.released:
             return
         held, _, columns, widest = self._holding((), 0)
         total = sum(held.values()) + columns + self._max_preserved_rows * widest
@@ -147,7 +153,7 @@ def _with_others(total: int, others: Sequence[Reservation]) -> str:
     elsewhere = sum(other.nbytes for other in others)
     each = ", ".join(f"{_owner(other)}: {size_text(other.nbytes)}" for other in others)
     return (
-        f", and with the {size_text(elsewhere)} that other caches on this host hold ({each}) "
+        f", and with the {size_text(elsewhere)} that other caches on this host have reserved ({each}) "
         f"to {size_text(total + elsewhere)} ({total + elsewhere:,} bytes)"
     )
 

@@ -184,6 +184,11 @@ class HostReservations:
         if last is not None:
             os.close(last)
 
+    @property
+    def released(self) -> bool:
+        """Whether `release` has run (its cache is closed)."""
+        return self._released
+
     def release(self) -> None:
         """Removes this cache's file and lets go of it (any thread; idempotent)."""
         with self._lock:
@@ -211,7 +216,8 @@ class HostReservations:
 def live_reservations(directory: Path) -> list[Reservation]:
     """The reservations of the live caches sharing ``directory`` (the files of exited ones are
     removed), read under its lock as a cache's admission reads them: for an operator's look
-    (`omni-pcache reservations`). None where no cache has made the directory. Raises `OSError`
+    (`omni-pcache reservations`). None (an empty list) where no cache has made the directory.
+    Raises `OSError`
     (`TimeoutError` for a lock not free in `LOCK_TIMEOUT_S`) where it cannot be used."""
     if not os.path.lexists(directory):
         return []
@@ -314,9 +320,10 @@ def _read_live(path: Path) -> Reservation | None:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             pass  # (its cache holds it: alive)
-        else:
-            with contextlib.suppress(OSError):
-                path.unlink()  # (no process holds it: its cache's process exited without closing it)
+        else:  # (no process holds it: its cache's process exited without closing it)
+            if os.lstat(path).st_ino == st.st_ino:  # (not a file placed there since it was opened)
+                with contextlib.suppress(OSError):
+                    path.unlink()
             return None
         # (any other flock error is the caller's: `admit` stops sharing rather than count nothing)
         entry = json.loads(os.pread(fd, MAX_FILE_BYTES, 0))

@@ -33,6 +33,9 @@ class CacheStats:
     consumed by `materialize` or `discard`. ``host_budget_bytes`` is the host memory the
     cache's keys may hold (`CacheConfig.host_budget_bytes` as resolved: by default this host's
     memory, or a data-parallel replica's share of it; ``None`` where it is not known).
+    ``host_reserved_bytes`` is what that budget counted the cache holding at its last admission
+    of new keys, and what the other caches on the host count it holding: its keys' pools and
+    staging pages, ledger columns and the room for rows kept aside (`host_budget.HostBudget`).
     """
 
     hits: int = 0
@@ -55,13 +58,14 @@ class CacheStats:
     requests_live: int = 0
     reads_pending: int = 0
     host_budget_bytes: int | None = None
+    host_reserved_bytes: int = 0
 
     def summary(self, since: CacheStats | None = None) -> str:
         """One line for a log: the new requests, their prefix hits and the hit rows served since
         ``since`` (an earlier snapshot of the same cache; ``None``: since the cache was made),
-        then what the cache holds now: its pools and staging pages on the host (against its
-        budget), live requests, step ids not consumed, writes not in the pool yet, and deferred
-        rows on the device."""
+        then what the cache holds now: its pools and staging pages on the host, what its host
+        budget counts it holding (against the budget), live requests, step ids not consumed,
+        writes not in the pool yet, and deferred rows on the device."""
         base = CacheStats() if since is None else since
         hits, misses = self.hits - base.hits, self.misses - base.misses
         pool, in_flight = self.rows_from_pool - base.rows_from_pool, self.rows_in_flight - base.rows_in_flight
@@ -77,7 +81,7 @@ class CacheStats:
         waits = self.num_waits - base.num_waits
         text += f", waits {waits:,}" + (f" ({self.wait_time_s - base.wait_time_s:.3f} s)" if waits else "")
         host = sum(self.pool_bytes.values()) + sum(self.staging_bytes.values())
-        text += f". Now: host memory {size_text(host)}"
+        text += f". Now: host memory {size_text(host)} allocated, {size_text(self.host_reserved_bytes)} reserved"
         if self.host_budget_bytes is not None:
             text += f" (budget {size_text(self.host_budget_bytes)})"
         text += (

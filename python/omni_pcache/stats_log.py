@@ -2,8 +2,8 @@
 line covering the time since the one before, for a server's logs: hit rate, where hit rows came
 from, and what the cache holds.
 
-Engine thread: `tick` once per step (a clock read; every ``interval_s`` a `PrefixCache.stats`
-call, which takes the cache's locks briefly, and a line at INFO on the ``omni_pcache`` logger).
+Engine thread: `tick` once per step (a clock read; every ``interval_s``, where the log's logger
+shows INFO, a `PrefixCache.stats` call, which takes the cache's locks briefly, and a line).
 """
 
 from __future__ import annotations
@@ -34,22 +34,29 @@ def check_interval(interval_s: object, name: str) -> float | None:
 
 
 class StatsLog:
-    """Logs the summary of a cache's counters at most once per ``interval_s`` seconds of
-    ``clock``, counting from this log's making."""
+    """Logs the summary of a cache's counters at INFO on ``log`` (default: the ``omni_pcache``
+    logger) at most once per ``interval_s`` seconds of ``clock``, counting from this log's
+    making."""
 
-    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        interval_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        log: logging.Logger = logger,
+    ) -> None:
         self._interval = interval_s
         self._clock = clock
+        self._log = log
         self._since_time = clock()
         self._since: CacheStats | None = None  # (the snapshot of the last line; None: the cache's start)
 
     def tick(self, cache: _HasStats) -> None:
         """Logs a line when ``interval_s`` has passed since the last one (engine thread)."""
         now = self._clock()
-        if now - self._since_time < self._interval:
+        if now - self._since_time < self._interval or not self._log.isEnabledFor(logging.INFO):
             return
         stats = cache.stats()
-        logger.info("omni_pcache: last %.1f s: %s", now - self._since_time, stats.summary(self._since))
+        self._log.info("omni_pcache: last %.1f s: %s", now - self._since_time, stats.summary(self._since))
         self._since, self._since_time = stats, now
 
 

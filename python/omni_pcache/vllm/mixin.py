@@ -51,6 +51,9 @@ from omni_pcache.vllm.tracker import BlockTracker
 from omni_pcache.vllm.translate import step_batch, step_events
 
 logger = logging.getLogger("omni_pcache")
+# (vLLM sets up its own "vllm" logger, INFO by default, and no other: a child of it shows the
+# counters' line wherever vLLM's own lines show, at vLLM's level)
+stats_logger = logging.getLogger("vllm.omni_pcache")
 
 
 @dataclass
@@ -116,7 +119,8 @@ class PrefixCacheRunnerMixin:
         has a cache; raises `ConfigError` for a refused configuration. A second call (KV cache
         re-initialized) closes the previous cache first. ``kernel_block_sizes`` is accepted
         for runners written for earlier versions and not needed (`cache_config_from_vllm`).
-        The output rank logs the cache's counters (`CacheStats.summary`) at INFO every
+        The output rank logs the cache's counters (`CacheStats.summary`) at INFO on the
+        ``vllm.omni_pcache`` logger (so vLLM's handler and level show it) every
         ``log_stats_interval_s`` seconds while steps run (10, as vLLM logs its own; ``None``:
         never, 0: every step); ``cache_options`` are `CacheConfig` fields."""
         log_interval_s = check_interval(log_stats_interval_s, "log_stats_interval_s")
@@ -205,7 +209,7 @@ class PrefixCacheRunnerMixin:
             make = PrefixCache if state.output_rank else NoOpCache
             state.cache = make(state.config, state.policy)
             if state.output_rank and state.log_interval_s is not None:
-                state.stats_log = StatsLog(state.log_interval_s)
+                state.stats_log = StatsLog(state.log_interval_s, log=stats_logger)
         if not state.output_rank:
             return
         undo = state.tracker.update(scheduler_output, state.cache.awaited)
