@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from omni_pcache._native import Ledger
 from omni_pcache.config import CacheConfig
@@ -33,6 +34,21 @@ def budget_limit(config: CacheConfig) -> tuple[int | None, str]:
     if config.host_budget_bytes is None:
         return host_memory_limit(), "this host's memory (CacheConfig.host_budget_bytes=None)"
     return config.host_budget_bytes, "CacheConfig.host_budget_bytes"
+
+
+class Holding(NamedTuple):
+    """What a cache holds on the host, as its budget counts it: per key held, per new key
+    needed (named by `KeySpec.describe`), the ledger's columns, and the room for rows kept
+    aside for late reads (``max_preserved_rows`` of the widest row held or new)."""
+
+    held: dict[str, int]
+    needs: dict[str, int]
+    columns: int
+    preserved: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.held.values()) + sum(self.needs.values()) + self.columns + self.preserved
 
 
 class HostBudget:
@@ -79,9 +95,8 @@ class HostBudget:
         what the cache holds for the others to count."""
         if self._limit is None:  # (and so no host's memory known either)
             return
-        held, needs, columns, widest = self._holding(new, new_columns)
-        preserved = self._max_preserved_rows * widest
-        total = sum(held.values()) + sum(needs.values()) + columns + preserved
+        held, needs, columns, preserved = holding = self._holding(new, new_columns)
+        total = holding.total
         others: list[Reservation] = []
         if total <= self._limit:
             with self._shared.admit() as others:
@@ -116,17 +131,15 @@ class HostBudget:
         the others do not count keys it dropped (engine thread)."""
         if self._recorded is None or self._shared.released:
             return
-        held, _, columns, widest = self._holding((), 0)
-        total = sum(held.values()) + columns + self._max_preserved_rows * widest
+        total = self._holding((), 0).total
         if total < self._recorded:
             with self._shared.admit():
                 self._shared.record(total)
                 self._recorded = total
 
-    def _holding(self, new: Sequence[KeySpec], new_columns: int) -> tuple[dict[str, int], dict[str, int], int, int]:
-        """What the cache holds per key, what each of the ``new`` keys needs (pinned storage at
-        its page-locked size: `footprint`), the bytes of the ledger's columns with
-        ``new_columns`` more, and the widest row of the keys held and the new ones."""
+    def _holding(self, new: Sequence[KeySpec], new_columns: int) -> Holding:
+        """What the cache would hold with the ``new`` keys and ``new_columns`` more ledger
+        columns (pinned storage at its page-locked size: `footprint`)."""
         pool, pages = self._pool, self._pages
         held: dict[str, int] = {}
         for store in (pool, pages):
@@ -139,7 +152,7 @@ class HostBudget:
         }
         columns = (self._ledger.num_keys + new_columns) * self._ledger.key_column_bytes
         widest = max((*(self._row_bytes.get(name, 0) for name in held), *(spec.row_bytes for spec in new)), default=0)
-        return held, needs, columns, widest
+        return Holding(held, needs, columns, self._max_preserved_rows * widest)
 
     def release(self) -> None:
         """Gives up this cache's reservation (any thread; idempotent): at `PrefixCache.close`."""

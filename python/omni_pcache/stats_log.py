@@ -15,6 +15,7 @@ from typing import Protocol
 
 from omni_pcache.errors import ConfigError
 from omni_pcache.stats import CacheStats
+from omni_pcache.validation import is_seconds
 
 logger = logging.getLogger("omni_pcache")
 
@@ -24,13 +25,14 @@ class _HasStats(Protocol):
 
 
 def check_interval(interval_s: object, name: str) -> float | None:
-    """``interval_s`` as a log interval: ``None`` (no log) or a number of seconds >= 0 (0: a
-    line every step); anything else raises `ConfigError` naming ``name``."""
+    """``interval_s`` as a log interval: ``None`` (no log) or a number of seconds >= 0
+    (`validation.is_seconds`; 0: a line every step); anything else raises `ConfigError`
+    naming ``name``."""
     if interval_s is None:
         return None
-    if isinstance(interval_s, bool) or not isinstance(interval_s, int | float) or not interval_s >= 0:
+    if not is_seconds(interval_s):
         raise ConfigError(f"{name} must be None or a number of seconds >= 0, got {interval_s!r}")
-    return float(interval_s)
+    return float(interval_s)  # type: ignore[arg-type]
 
 
 class StatsLog:

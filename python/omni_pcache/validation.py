@@ -58,14 +58,19 @@ def as_id_map(value: object, what: str, values: str = "positions") -> dict:
         raise InvalidInputError(f"{what} must map request ids to {values}, got {type(value).__name__}") from None
 
 
+def is_seconds(value: object) -> bool:
+    """Whether ``value`` is a finite real number of seconds >= 0 that a wait can take (numpy
+    scalars included; bools, NaN and infinity not)."""
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, numbers.Real)
+        and 0 <= value <= threading.TIMEOUT_MAX  # (NaN fails both)
+    )
+
+
 def check_timeout(timeout_s: object, what: str) -> None:
-    """Refuses a timeout that is not ``None`` or a finite real number of seconds >= 0 (numpy
-    scalars included; bools, NaN and infinity refused) with `InvalidInputError`."""
-    if timeout_s is not None and (
-        isinstance(timeout_s, bool)
-        or not isinstance(timeout_s, numbers.Real)
-        or not 0 <= timeout_s <= threading.TIMEOUT_MAX  # (NaN fails both)
-    ):
+    """Refuses a timeout that is not ``None`` or `is_seconds` with `InvalidInputError`."""
+    if timeout_s is not None and not is_seconds(timeout_s):
         raise InvalidInputError(f"{what} must be None or a finite number of seconds >= 0, got {timeout_s!r}")
 
 
