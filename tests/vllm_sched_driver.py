@@ -44,6 +44,7 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -60,7 +61,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from omni_pcache import CachePolicy
-from omni_pcache.vllm import PrefixCacheRunnerMixin
+from omni_pcache.vllm import PrefixCacheRunnerMixin, VllmOmniPrefixCacheMixin
 from vllm_replay import digest, full_rows, hidden_row, padded_step
 
 ARCH = "OmniPcacheStubForCausalLM"
@@ -275,11 +276,17 @@ class Runner(PrefixCacheRunnerMixin):
         self.dropped: set[tuple[int, str]] = set()  # (step number, req_id) of outputs the scheduler dropped
         self.counters = Counters()
         self.log: list[str] = []
-        c = stage.vllm_config
+        self.init_cache()
+
+    # The cache's calls, one method each (`OmniHooksRunner` makes them through vLLM-Omni's hooks).
+
+    def init_cache(self) -> None:
+        """KV-cache init: the policy, then the gate."""
+        c = self.stage.vllm_config
         self.pcache_load_policy(CachePolicy(token_keys=frozenset({"codes"})))
         assert self.pcache_init(
             cache_config=c.cache_config,
-            kv_cache_config=stage.kv_cache_config,
+            kv_cache_config=self.stage.kv_cache_config,
             kv_transfer_config=c.kv_transfer_config,
             scheduler_config=c.scheduler_config,
             model_config=c.model_config,
@@ -290,10 +297,20 @@ class Runner(PrefixCacheRunnerMixin):
             tensor_parallel_rank=0,
         )
 
+    def begin(self, so: SchedulerOutput) -> None:
+        self.pcache_begin_step(so)
+
+    def save(self, hidden: torch.Tensor, mm: dict, so: SchedulerOutput, req_ids: list[str]) -> int | None:
+        return self.pcache_save(hidden, mm, so, list(req_ids), num_tokens_padded=hidden.shape[0])
+
+    def materialize(self, step_id: int | None, req_ids: list[str]) -> Any:
+        """The step's `StepOutputs` (``.hidden[req]``, ``.mm[key][req]``), ``None`` for ``None``."""
+        return self.pcache_materialize(step_id, req_ids)
+
     @torch.inference_mode()  # (as vLLM's runners run it: save then makes no inference tensors)
     def execute_model(self, so: SchedulerOutput) -> tuple[int | None, list[str], ModelRunnerOutput]:
         """begin_step, forward, save, sample; returns the step id, the row order and the output."""
-        self.pcache_begin_step(so)  # first, before the runner drops finished requests
+        self.begin(so)  # first, before the runner drops finished requests
         self.log.append(describe(so))
         self.preempted |= set(so.preempted_req_ids or ())
         self.preempted -= set(so.finished_req_ids)
@@ -337,7 +354,7 @@ class Runner(PrefixCacheRunnerMixin):
                 sampled.append([])
                 self.counters.partial_prefills += 1
         hidden, mm = padded_step(rows, codes)
-        step_id = self.pcache_save(hidden, mm, so, list(req_ids), num_tokens_padded=hidden.shape[0])
+        step_id = self.save(hidden, mm, so, req_ids)
         out = ModelRunnerOutput(
             req_ids=list(req_ids), req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled
         )
@@ -368,7 +385,7 @@ class Runner(PrefixCacheRunnerMixin):
 
     def consume(self, step_id: int | None, req_ids: list[str], dropped: frozenset[str] = frozenset()) -> None:
         """The output builder: the step's full-sequence rows per request (`deliver`)."""
-        self.deliver(self.pcache_materialize(step_id, req_ids), req_ids, dropped)
+        self.deliver(self.materialize(step_id, req_ids), req_ids, dropped)
 
     def deliver(self, out: Any, req_ids: list[str], dropped: frozenset[str]) -> None:
         """A step's built outputs reach the consumer, but for ``dropped`` (outputs the
@@ -465,6 +482,59 @@ class Runner(PrefixCacheRunnerMixin):
         return computed
 
 
+class OmniRunnerStandin(Runner):
+    """What `VllmOmniPrefixCacheMixin` needs of vLLM-Omni's ``GPUARModelRunner`` (0.30): its
+    config attributes, ``input_batch.req_ids`` (the forward's row order), the model's
+    ``ModelCachePolicy`` snapshot, and ``initialize_metadata_builders`` staging the stage's cache
+    config in ``_omni_prefix_cache_cfg`` (vLLM-Omni's ``PrefixCacheConfig``; any object here)."""
+
+    def init_cache(self) -> None:
+        c = self.stage.vllm_config
+        self.vllm_config = c
+        self.cache_config, self.scheduler_config, self.model_config = c.cache_config, c.scheduler_config, c.model_config
+        self.speculative_config, self.parallel_config = c.speculative_config, c.parallel_config
+        self.kv_cache_config = self.stage.kv_cache_config
+        self.is_pooling_model = False
+        self.input_batch = SimpleNamespace(req_ids=[])
+        self._omni_cache_policy = SimpleNamespace(needs_full_hidden_states=True, deferred_keys=frozenset())
+        self.omni_prefix_cache = None
+        self._omni_prefix_cache_cfg = None
+        self.initialize_metadata_builders(self.kv_cache_config, [self.stage.block_size])
+
+    def initialize_metadata_builders(self, kv_cache_config: KVCacheConfig, kernel_block_sizes: list[int]) -> None:
+        self._omni_prefix_cache_cfg = ("staged", kv_cache_config.num_blocks)
+
+
+class OmniHooksRunner(VllmOmniPrefixCacheMixin, OmniRunnerStandin):
+    """`Runner` calling the cache where vLLM-Omni's ``GPUARModelRunner`` does, through the hooks
+    `VllmOmniPrefixCacheMixin` serves: ``_prefix_cache_step_begin``, ``_prefix_cache_save_step``
+    (the row order in ``input_batch.req_ids``), ``_prefix_cache_materialize`` → ``(hidden, mm)``;
+    the last pipeline stage's tensor-parallel rank 0 (vLLM's parallel state is not set up here)."""
+
+    def _pcache_parallel_ranks(self) -> tuple[bool, int]:
+        return True, 0
+
+    def begin(self, so: SchedulerOutput) -> None:
+        self._prefix_cache_step_begin(so)
+
+    def save(self, hidden: torch.Tensor, mm: dict, so: SchedulerOutput, req_ids: list[str]) -> int | None:
+        self.input_batch.req_ids = list(req_ids)
+        return self._prefix_cache_save_step(
+            hidden, mm, num_tokens_unpadded=so.total_num_scheduled_tokens, num_tokens_padded=hidden.shape[0]
+        )
+
+    def materialize(self, step_id: int | None, req_ids: list[str]) -> Any:
+        if step_id is None:
+            return None
+        hidden, mm = self._prefix_cache_materialize(step_id, req_ids)
+        return SimpleNamespace(hidden=hidden, mm=mm)
+
+
+# The runner class `run` uses by default (tests/test_vllm_omni_scheduler.py sets it to
+# `OmniHooksRunner` for its copy of tests/test_vllm_scheduler.py's tests).
+RUNNER_CLS: type[Runner] = Runner
+
+
 def starts(so: SchedulerOutput) -> dict[str, int]:
     """num_computed_tokens (before the step) of each request a SchedulerOutput schedules."""
     cached = so.scheduled_cached_reqs
@@ -530,6 +600,7 @@ def run(
     reset_at: frozenset[int] = frozenset(),
     pause_reset_at: frozenset[int] = frozenset(),
     early_outputs: bool | None = None,
+    runner_cls: type[Runner] | None = None,
 ) -> Result:
     """Runs the requests to completion through vLLM's scheduler and the runner; each step's rows
     are materialized where vLLM's output builder would: inline, or one step late under async
@@ -542,10 +613,12 @@ def run(
     step's output is built (materialized) as soon as its forward is done, as a worker's output
     thread may, not when the engine takes it; by default so without async scheduling (the
     runner builds it in ``sample_tokens``, the engine taking it then or, with pipeline
-    parallelism, steps later), and late with it (the engine thread builds it as it takes it)."""
+    parallelism, steps later), and late with it (the engine thread builds it as it takes it).
+    ``runner_cls``: `Runner`, or `OmniHooksRunner` (the cache behind vLLM-Omni's hooks); by
+    default `RUNNER_CLS`'s."""
     sched = stage.scheduler
     seqs = {r.req_id: Tokens(list(r.prompt)) for r in reqs}
-    runner = Runner(stage, seqs, order_seed)
+    runner = (runner_cls or RUNNER_CLS)(stage, seqs, order_seed)
     if output_thread:
         runner.start_output_thread()
     c = runner.counters
@@ -640,7 +713,7 @@ def run(
                         for r in so.preempted_req_ids or ()
                     )
                 step_id, req_ids, out = runner.execute_model(so)
-                built = runner.pcache_materialize(step_id, req_ids) if early_outputs else None
+                built = runner.materialize(step_id, req_ids) if early_outputs else None
                 batch_queue.appendleft((so, c.steps, step_id, req_ids, out, built))
                 c.max_in_flight = max(c.max_in_flight, len(batch_queue))
                 if len(batch_queue) < queue_size and (so.total_num_scheduled_tokens > 0 or sched.has_requests()):
