@@ -17,13 +17,13 @@ import importlib.util
 import inspect
 import logging
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import ClassVar
 
 import numpy as np
 import pytest
-import tomllib
 import torch
 
 import vllm_standins as v
@@ -67,6 +67,11 @@ class OmniRunnerBase:
     def _dummy_run(self, num_tokens: int) -> str:
         self.dummy_runs += 1
         return f"dummy run of {num_tokens}"
+
+    def capture_model(self) -> int:
+        """Records what the cache had left to write when the capture began."""
+        self.unwritten_at_capture = self.omni_prefix_cache.stats().tasks_live
+        return 7  # (vLLM's: the memory the graphs took)
 
 
 class OmniRunner(VllmOmniPrefixCacheMixin, OmniRunnerBase):
@@ -239,6 +244,30 @@ def test_a_dummy_run_fences_the_last_saves_copies_first() -> None:
     assert (runner.fences, runner.dummy_runs) == (1, 1)
 
 
+def test_a_capture_begins_once_the_caches_queued_writes_have_landed() -> None:
+    # (the committer's write is held back until 0.3 s after the capture is called, as
+    # tests/test_vllm_adapter.py holds it for pcache_warmup)
+    class CommitterWrites(OmniRunner):
+        pcache_options: ClassVar[dict[str, int]] = {"inline_write_bytes": 0}
+
+    runner = started(CommitterWrites())
+    gate = threading.Event()
+    try:
+        runner._prefix_cache_step_begin(so_of())  # (the cache is built)
+        write = runner.pcache._writer.write_batch
+        runner.pcache._writer.write_batch = lambda groups: (gate.wait(10), write(groups))
+        step = runner.step(so_of(new=[new_req("a", [3, 5])], counts={"a": 6}), ["a"], torch.randn(6, 4))
+        assert runner.omni_prefix_cache.stats().tasks_live > 0
+        threading.Timer(0.3, gate.set).start()
+        assert runner.capture_model() == 7
+        assert runner.unwritten_at_capture == 0, "a write still queued when the capture began"
+        assert runner._pcache_warmups == 0
+        runner.omni_prefix_cache.discard_step(step)
+    finally:
+        gate.set()
+        runner.omni_prefix_cache.shutdown()
+
+
 def test_flat_mm_uses_vllm_omnis_flattening_when_it_is_there(monkeypatch: pytest.MonkeyPatch) -> None:
     audio = torch.arange(3)
     assert flat_mm({"codes": {"audio": audio}})["codes"]["audio"] is audio  # (no vLLM-Omni here)
@@ -326,9 +355,10 @@ def test_the_plugin_only_warns_where_vllm_omni_is_missing(
 
 
 def test_the_plugin_is_declared_as_a_vllm_general_plugin() -> None:
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    target = project["project"]["entry-points"]["vllm.general_plugins"]["omni_pcache_vllm_omni"]
-    assert target == "omni_pcache.vllm.omni_runner:vllm_plugin"
+    # (pyproject.toml, read as text: tomllib is not in Python 3.10)
+    section = (ROOT / "pyproject.toml").read_text().split('[project.entry-points."vllm.general_plugins"]\n')[1]
+    target = "omni_pcache.vllm.omni_runner:vllm_plugin"
+    assert section.splitlines()[0] == f'omni_pcache_vllm_omni = "{target}"'
     from importlib.metadata import entry_points
 
     installed = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}

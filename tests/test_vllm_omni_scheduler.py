@@ -38,3 +38,16 @@ def test_runs_here_go_through_vllm_omnis_hooks() -> None:
     check_full_sequences(result)
     assert type(result.runner) is d.OmniHooksRunner
     assert result.counters.first_computed == {"a": 0, "b": 24} and result.stats.hits == 1
+
+
+def test_vllms_plugin_loader_finds_the_plugin_and_off_it_does_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (as vLLM loads general plugins in every process it starts, before it builds the worker)
+    from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_plugins_by_group
+
+    from omni_pcache.vllm.omni_runner import ENABLE_ENV, vllm_plugin
+
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)  # (when set, only the plugins it names load)
+    monkeypatch.delenv(ENABLE_ENV, raising=False)
+    plugins = load_plugins_by_group(group=DEFAULT_PLUGINS_GROUP)
+    assert plugins["omni_pcache_vllm_omni"] is vllm_plugin
+    assert plugins["omni_pcache_vllm_omni"]() is None

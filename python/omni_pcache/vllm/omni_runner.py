@@ -22,7 +22,9 @@ its runner changed:
 - ``omni_prefix_cache`` holds a `VllmOmniCacheHandle` on the output rank (the last pipeline
   stage's tensor-parallel rank 0) and ``None`` on every other rank, whose outputs vLLM drops:
   they build their payloads from the step's own rows, as vLLM-Omni's ranks without a cache do;
-- ``_dummy_run`` fences the last save's copies first (`PrefixCacheRunnerMixin.pcache_fence`).
+- ``_dummy_run`` fences the last save's copies first (`PrefixCacheRunnerMixin.pcache_fence`), and
+  ``capture_model`` runs inside `PrefixCacheRunnerMixin.pcache_warmup` (a running cache flushed
+  first, as at an elastic-EP rescale's capture).
 
 `install_vllm_omni` makes vLLM-Omni's AR worker build its runner with this mixin; the vLLM plugin
 `vllm_plugin` calls it in every vLLM process when ``OMNI_PCACHE_VLLM_OMNI=1``. Nothing here
@@ -218,6 +220,13 @@ class VllmOmniPrefixCacheMixin(PrefixCacheRunnerMixin):
         if outputs is None:
             return None, None
         return outputs.hidden, (outputs.mm or None)
+
+    def capture_model(self, *args: Any, **kwargs: Any) -> Any:
+        """CUDA-graph capture (at start, and again at an elastic-EP rescale while serving) runs
+        inside `pcache_warmup`, which flushes a running cache first: a device call of its
+        committer during a capture in CUDA's global mode would invalidate the capture."""
+        with self.pcache_warmup():
+            return super().capture_model(*args, **kwargs)  # type: ignore[misc]
 
     def _dummy_run(self, *args: Any, **kwargs: Any) -> Any:
         """A forward with no step begun (an idle data-parallel rank, a warm-up): the last save's
