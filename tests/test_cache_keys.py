@@ -19,6 +19,7 @@ from omni_pcache import (
     NewRequest,
     StepBatch,
     StepEvents,
+    UnservableHitError,
 )
 
 BS = 4
@@ -81,6 +82,53 @@ def test_discovery_classifies_once_and_refuses_a_changed_row_shape_or_dtype() ->
             cache.save(torch.zeros(4, 7), {"feat": torch.zeros(4, 3)}, batch)
         assert cache.stats().steps_outstanding == [], "refused saves issue no step id"
         cache.discard(cache.save(torch.ones(4, 2), {"feat": torch.ones(4, 3)}, batch))
+
+
+def test_reclassified_each_step_an_entry_is_per_token_only_in_steps_where_it_has_that_shape() -> None:
+    # vLLM-Omni's rule: 2+ dims with a row per token, this step. "spk" has a row per request:
+    # per-token-shaped in a step of two one-token requests, leftover in a step of 7 tokens.
+    # "flag" is 1-D (never cached); "feat" changes width once (that step's leftover).
+    with small_cache(policy=CachePolicy(reclassify_each_step=True)) as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1]), NewRequest("c", [5])]))
+        mm = {
+            "spk": torch.tensor([[1.0], [2.0]]),
+            "flag": torch.tensor([1, 0]),
+            "feat": encoded(0, 2, (3,), torch.float32, 1),
+        }
+        sid = cache.save(rows(1, 0, 2), mm, StepBatch(["a", "c"], [1, 1], np.array([0, 20])))
+        out = cache.materialize(sid, ["a", "c"])
+        assert out.mm["spk"]["c"].tolist() == [[2.0]] and out.mm["flag"]["c"].tolist() == [0]
+        assert cache.stats().pool_bytes.keys() == {"hidden", "spk", "feat"}
+        # A step of 7 tokens: "spk" (2 rows) and a 5-wide "feat" are this step's leftovers,
+        # passed whole (no error); the hidden states are cached as ever.
+        cache.begin_step(StepEvents(new=[NewRequest("b", [2, 3])]))
+        spk = torch.tensor([[3.0], [4.0]])
+        mm = {"spk": spk, "flag": torch.tensor([1, 1]), "feat": torch.zeros(7, 5)}
+        sid = cache.save(rows(2, 0, 7), mm, StepBatch(["b"], [7], slots_of([2, 3], 0, 7, BS)))
+        out = cache.materialize(sid, ["b"])
+        assert torch.equal(out.mm["spk"]["b"], spk) and out.mm["feat"]["b"].shape == (7, 5)
+        assert torch.equal(out.hidden["b"], rows(2, 0, 7))
+        # "d" hits b's first block: hidden states are served; "feat" has rows again and the hit
+        # reads it over positions b's step left without them: unservable, never another tenant's.
+        cache.begin_step(StepEvents(new=[NewRequest("d", [2, 4], 4)]))
+        sid = cache.save(rows(3, 4, 2), {}, StepBatch(["d"], [2], slots_of([2, 4], 4, 2, BS)))
+        out = cache.materialize(sid, ["d"])
+        assert torch.equal(out.hidden["d"], torch.cat([rows(2, 0, 4), rows(3, 4, 2)]))
+        cache.begin_step(StepEvents(new=[NewRequest("e", [2, 6], 4)]))
+        feat = encoded(4, 1, (3,), torch.float32, 2)
+        sid = cache.save(rows(4, 4, 1), {"feat": feat}, StepBatch(["e"], [1], slots_of([2, 6], 4, 1, BS)))
+        with pytest.raises(UnservableHitError):
+            cache.materialize(sid, ["e"])
+        assert cache.stats().reads_pending == 0
+
+
+def test_reclassified_each_step_a_deferred_key_is_still_checked_strictly() -> None:
+    policy = CachePolicy(reclassify_each_step=True, deferred_keys={"codes"})
+    with small_cache(policy=policy) as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
+        cache.discard(cache.save(rows(1, 0, 4), {"codes": torch.zeros(4, 2)}, StepBatch(["a"], [4], np.arange(4))))
+        with pytest.raises(InvalidInputError, match=r"'codes' has shape \(3, 2\); dim 0 must be"):
+            cache.save(rows(1, 4, 4), {"codes": torch.zeros(3, 2)}, StepBatch(["a"], [4], np.arange(4, 8)))
 
 
 REFUSALS = {
@@ -288,6 +336,11 @@ class Span(NamedTuple):
         (
             {"cache_hidden": False, "deferred_keys": {"hidden"}},
             "deferred_keys names 'hidden', but cache_hidden=False caches no hidden states",
+        ),
+        ({"reclassify_each_step": 1}, "reclassify_each_step must be a bool, got 1"),
+        (
+            {"reclassify_each_step": True, "token_keys": {"codes"}},
+            "reclassify_each_step applies to discovered keys: it needs token_keys=None",
         ),
     ],
 )

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import vllm_standins as v
-from omni_pcache import CachePolicy, ConfigError, InvalidInputError, StepIdError
+from omni_pcache import CacheClosedError, CachePolicy, ConfigError, InvalidInputError, StepEvents, StepIdError
 from omni_pcache.vllm import VllmOmniCacheHandle, VllmOmniPrefixCacheMixin, install_vllm_omni
 from omni_pcache.vllm.omni_runner import ENABLE_ENV, flat_mm, policy_from_omni, vllm_plugin
 from test_vllm_adapter import new_req, so_of
@@ -59,6 +59,7 @@ class OmniRunnerBase:
         self.stage_cache = stage_cache
         self.ranks = ranks
         self.dummy_runs = 0
+        self.postprocessed: list[set[str] | None] = []
 
     def initialize_metadata_builders(self, kv_cache_config, kernel_block_sizes) -> None:
         if self.stage_cache:
@@ -67,6 +68,21 @@ class OmniRunnerBase:
     def _dummy_run(self, num_tokens: int) -> str:
         self.dummy_runs += 1
         return f"dummy run of {num_tokens}"
+
+    def _process_additional_information_updates(
+        self,
+        hidden_states,
+        multimodal_outputs,
+        num_scheduled_tokens_np,
+        scheduler_output,
+        combined_hidden_states=None,
+        combined_multimodal_outputs=None,
+        req_ids_filter=None,
+        req_ids=None,
+        query_start_loc_cpu=None,
+    ) -> None:
+        """Records which requests' postprocess would run (``None``: every request's)."""
+        self.postprocessed.append(req_ids_filter)
 
     def capture_model(self) -> int:
         """Records what the cache had left to write when the capture began."""
@@ -118,24 +134,60 @@ def test_a_hit_returns_the_cached_prefix_then_the_steps_rows() -> None:
     runner = started(OmniRunner())
     handle = runner.omni_prefix_cache
     hidden_a = torch.randn(6, 8)
-    codes_a = torch.arange(6)
+    codes_a = torch.arange(12).reshape(6, 2)  # (per-token: 2 dims, a row per token)
     step = runner.step(so_of(new=[new_req("a", [3, 5])], counts={"a": 6}), ["a"], hidden_a, {"codes": codes_a})
     hidden, mm = runner._prefix_cache_materialize(step, ["a"])
     assert torch.equal(hidden["a"], hidden_a) and torch.equal(mm["codes"]["a"], codes_a)
     # "b" hits a's first block (4 tokens) and computes 3; "c" misses, with padding rows after.
     so = so_of(new=[new_req("b", [3, 7], computed=4), new_req("c", [9])], counts={"b": 3, "c": 2}, finished={"a"})
     hidden_bc = torch.randn(7, 8)  # (5 scheduled rows, 2 of CUDA-graph padding)
-    codes_bc = torch.arange(100, 107)
-    step = runner.step(so, ["c", "b"], hidden_bc, {"codes": codes_bc, "scale": torch.tensor(0.5)})
+    codes_bc = torch.arange(100, 114).reshape(7, 2)
+    ids_bc = torch.arange(7)  # (1-D: vLLM-Omni's cache never caches it, nor does this one here)
+    mm_bc = {"codes": codes_bc, "ids": ids_bc, "scale": torch.tensor(0.5)}
+    step = runner.step(so, ["c", "b"], hidden_bc, mm_bc)
     hidden, mm = runner._prefix_cache_materialize(step, ["c", "b"])
     assert torch.equal(hidden["c"], hidden_bc[:2])
     assert torch.equal(hidden["b"], torch.cat([hidden_a[:4], hidden_bc[2:5]]))
     assert torch.equal(mm["codes"]["b"], torch.cat([codes_a[:4], codes_bc[2:5]]))
+    assert mm["ids"]["b"].tolist() == [2, 3, 4]  # (a leftover with a row per token: the step's, sliced)
     assert mm["scale"]["b"].item() == 0.5  # (a leftover, passed to each request whole)
     stats = handle.stats()
     assert (stats.hits, stats.misses, stats.reads_pending) == (1, 2, 0)
+    assert stats.pool_bytes.keys() == {"hidden", "codes"}
     handle.shutdown()
+    with pytest.raises(CacheClosedError):  # (shut down: a step id left is refused, typed)
+        runner._prefix_cache_materialize(runner.step(so_of(), [], torch.zeros(0, 8)), [])
     handle.shutdown()  # (idempotent, as vLLM-Omni's shutdown may run twice)
+
+
+def test_an_entry_with_a_row_per_request_is_per_token_only_where_it_looks_it_and_never_an_error() -> None:
+    # (vLLM-Omni's rule, each step: a [requests, d] tensor in a step of one-token requests has a
+    # row per token; in the next step, of 5 tokens, it is a leftover passed whole)
+    runner = started(OmniRunner())
+    so = so_of(new=[new_req("a", [3]), new_req("b", [4])], counts={"a": 1, "b": 1})
+    spk = torch.tensor([[1.0, 1.0], [2.0, 2.0]])
+    step = runner.step(so, ["a", "b"], torch.randn(2, 4), {"spk": spk})
+    assert runner._prefix_cache_materialize(step, ["a", "b"])[1]["spk"]["b"].tolist() == [[2.0, 2.0]]
+    so = so_of(new=[new_req("c", [5, 6])], counts={"c": 5})
+    step = runner.step(so, ["c"], torch.randn(5, 4), {"spk": spk})
+    assert torch.equal(runner._prefix_cache_materialize(step, ["c"])[1]["spk"]["c"], spk)
+    runner.omni_prefix_cache.shutdown()
+
+
+def test_a_request_with_no_new_rows_gets_no_postprocess_and_the_others_do() -> None:
+    # vLLM-Omni's runner postprocesses every request of a step in one try: a request whose
+    # merged rows are empty (a resumed chunk recomputing rows already delivered) is left out.
+    runner = started(OmniRunner())
+    merged = {"a": torch.zeros(0, 4), "b": torch.ones(2, 4), "c": torch.ones(1, 4)}
+    runner._process_additional_information_updates(None, None, None, None, merged, None, req_ids=["a", "b", "c"])
+    assert runner.postprocessed == [{"b", "c"}]
+    runner._process_additional_information_updates(None, None, None, None, merged, None, req_ids_filter={"a", "b"})
+    assert runner.postprocessed[-1] == {"b"}
+    runner.input_batch.req_ids = ["a", "c"]  # (no req_ids: the batch's)
+    runner._process_additional_information_updates(None, None, None, None, merged, None)
+    assert runner.postprocessed[-1] == {"c"}
+    runner._process_additional_information_updates(None, None, None, None, {"b": torch.ones(1, 4)}, None)
+    assert runner.postprocessed[-1] is None  # (nothing empty: the filter as given)
 
 
 def test_discard_step_consumes_the_id_exactly_once() -> None:
@@ -171,9 +223,26 @@ def test_a_save_whose_token_count_is_not_the_steps_is_refused_and_the_id_not_iss
     runner.omni_prefix_cache.shutdown()
 
 
-@pytest.mark.parametrize("ranks", [(True, 1), (False, 0)], ids=["tensor-parallel-rank-1", "not-last-stage"])
-def test_ranks_that_produce_no_outputs_get_no_handle_and_save_nothing(ranks: tuple[bool, int]) -> None:
-    runner = started(OmniRunner(ranks=ranks))
+def test_every_tensor_parallel_rank_of_the_last_stage_serves_the_same_rows() -> None:
+    so = so_of(new=[new_req("a", [3])], counts={"a": 2})
+    hidden = torch.randn(2, 4)
+    for runner in (started(OmniRunner(ranks=(True, 0))), started(OmniRunner(ranks=(True, 1)))):
+        assert isinstance(runner.omni_prefix_cache, VllmOmniCacheHandle)
+        step = runner.step(so, ["a"], hidden)
+        assert torch.equal(runner._prefix_cache_materialize(step, ["a"])[0]["a"], hidden)
+        runner.omni_prefix_cache.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("ranks", "every_rank"),
+    [((False, 0), True), ((True, 1), False)],
+    ids=["earlier-pipeline-stage", "tensor-parallel-rank-1-output-rank-only"],
+)
+def test_ranks_without_a_cache_get_no_handle_and_save_nothing(ranks: tuple[bool, int], every_rank: bool) -> None:
+    class Runner(OmniRunner):
+        pcache_every_tensor_parallel_rank = every_rank
+
+    runner = started(Runner(ranks=ranks))
     assert runner.omni_prefix_cache is None  # (vLLM-Omni's runner then builds payloads of the step's rows)
     assert runner.step(so_of(new=[new_req("a", [3])], counts={"a": 2}), ["a"], torch.randn(2, 4)) is None
     assert runner._prefix_cache_materialize(None, ["a"]) == (None, None)
@@ -208,10 +277,11 @@ def test_a_config_staged_but_not_gated_is_gated_at_the_first_step() -> None:
 
 def test_the_models_policy_becomes_the_caches() -> None:
     opted_out = SimpleNamespace(needs_full_hidden_states=False, deferred_keys=frozenset({"codes"}))
-    assert policy_from_omni(opted_out) == CachePolicy(cache_hidden=False, deferred_keys=frozenset({"codes"}))
+    expected = CachePolicy(cache_hidden=False, deferred_keys=frozenset({"codes"}), reclassify_each_step=True)
+    assert policy_from_omni(opted_out) == expected
     deferred_hidden = SimpleNamespace(needs_full_hidden_states=True, deferred_keys=frozenset({"__hidden_states__"}))
     assert policy_from_omni(deferred_hidden).deferred_keys == frozenset({"hidden"})
-    assert policy_from_omni(None) == CachePolicy()
+    assert policy_from_omni(None) == CachePolicy(reclassify_each_step=True)
     runner = OmniRunner()
     runner._omni_cache_policy = opted_out
     started(runner)
@@ -227,6 +297,32 @@ def test_a_policy_set_on_the_class_wins_over_the_models() -> None:
 
     runner = started(Named())
     assert runner._pcache_state.policy == CachePolicy(token_keys=frozenset({"codes"}))
+    runner.omni_prefix_cache.shutdown()
+
+
+def test_a_class_policy_without_hidden_states_for_a_model_that_needs_them_is_refused_at_kv_init() -> None:
+    class NoHidden(OmniRunner):
+        pcache_policy = CachePolicy(cache_hidden=False)
+
+    with pytest.raises(ConfigError, match="caches no hidden states, but the model needs its full-sequence"):
+        started(NoHidden())
+    runner = NoHidden()
+    runner._omni_cache_policy = SimpleNamespace(needs_full_hidden_states=False, deferred_keys=frozenset())
+    assert isinstance(started(runner).omni_prefix_cache, VllmOmniCacheHandle)  # (the model opts out too)
+
+
+def test_a_kv_cache_initialized_again_replaces_the_running_cache() -> None:
+    runner = started(OmniRunner())
+    step = runner.step(so_of(new=[new_req("a", [3])], counts={"a": 2}), ["a"], torch.randn(2, 4))
+    old = runner.pcache
+    started(runner)  # (vLLM-Omni stages its config again)
+    assert runner.pcache is None  # (the new cache is built at the next step)
+    with pytest.raises(CacheClosedError):  # (the old one is closed)
+        old.begin_step(StepEvents())
+    with pytest.raises(StepIdError):  # (an id of the old cache is refused, never served another step's rows)
+        runner._prefix_cache_materialize(step, ["a"])
+    step = runner.step(so_of(new=[new_req("b", [4])], counts={"b": 1}), ["b"], torch.randn(1, 4))
+    assert runner._prefix_cache_materialize(step, ["b"])[0]["b"].shape == (1, 4)
     runner.omni_prefix_cache.shutdown()
 
 
@@ -266,6 +362,22 @@ def test_a_capture_begins_once_the_caches_queued_writes_have_landed() -> None:
     finally:
         gate.set()
         runner.omni_prefix_cache.shutdown()
+
+
+def test_a_save_keys_nested_mm_as_vllm_omnis_flattening_names_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = ModuleType("vllm_omni.data_entry_keys")  # (a stand-in: "parent.child" per nested entry)
+    keys.flatten_payload = lambda mm: {f"{k}.{q}": t for k, d in mm.items() for q, t in d.items()}
+    monkeypatch.setitem(sys.modules, "vllm_omni", ModuleType("vllm_omni"))
+    monkeypatch.setitem(sys.modules, "vllm_omni.data_entry_keys", keys)
+    runner = started(OmniRunner())
+    audio = torch.arange(6).reshape(3, 2)
+    step = runner.step(
+        so_of(new=[new_req("a", [3])], counts={"a": 3}), ["a"], torch.randn(3, 4), {"codes": {"audio": audio}}
+    )
+    _, mm = runner._prefix_cache_materialize(step, ["a"])
+    assert mm.keys() == {"codes.audio"} and torch.equal(mm["codes.audio"]["a"], audio)
+    assert runner.omni_prefix_cache.stats().pool_bytes.keys() == {"hidden", "codes.audio"}
+    runner.omni_prefix_cache.shutdown()
 
 
 def test_flat_mm_uses_vllm_omnis_flattening_when_it_is_there(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -403,6 +515,9 @@ def test_the_hooks_take_the_arguments_vllm_omnis_runner_passes(vllm_omni: Path) 
     ):
         ours = inspect.signature(getattr(VllmOmniPrefixCacheMixin, name)).parameters.values()
         assert [(p.name, p.kind.name) for p in ours] == parameters(theirs[name]), name
+    runner = class_functions(vllm_omni / "worker" / "gpu_model_runner.py", "OmniGPUModelRunner")
+    ours = inspect.signature(VllmOmniPrefixCacheMixin._process_additional_information_updates).parameters.values()
+    assert [(p.name, p.kind.name) for p in ours] == parameters(runner["_process_additional_information_updates"])
     interface = (vllm_omni / "core" / "prefix_cache" / "interface.py").read_text()
     assert 'HIDDEN_KEY: TensorName = "__hidden_states__"' in interface  # (`policy_from_omni` names it "hidden")
     tree = ast.parse(interface)  # (StageCacheOutputs: the (hidden, mm) pair materialize returns, in that order)

@@ -9,6 +9,7 @@ sequence, as there. Skipped where vLLM cannot be imported (run with `just test-v
 
 from __future__ import annotations
 
+import logging
 import random
 import warnings
 
@@ -40,7 +41,9 @@ def test_runs_here_go_through_vllm_omnis_hooks() -> None:
     assert result.counters.first_computed == {"a": 0, "b": 24} and result.stats.hits == 1
 
 
-def test_vllms_plugin_loader_finds_the_plugin_and_off_it_does_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_vllms_plugin_loader_finds_the_plugin_and_off_it_does_nothing(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     # (as vLLM loads general plugins in every process it starts, before it builds the worker)
     from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_plugins_by_group
 
@@ -50,4 +53,10 @@ def test_vllms_plugin_loader_finds_the_plugin_and_off_it_does_nothing(monkeypatc
     monkeypatch.delenv(ENABLE_ENV, raising=False)
     plugins = load_plugins_by_group(group=DEFAULT_PLUGINS_GROUP)
     assert plugins["omni_pcache_vllm_omni"] is vllm_plugin
-    assert plugins["omni_pcache_vllm_omni"]() is None
+    with caplog.at_level(logging.INFO, logger="vllm.omni_pcache"):
+        plugins["omni_pcache_vllm_omni"]()
+    assert caplog.text == ""  # (off: nothing imported, nothing logged)
+    monkeypatch.setenv(ENABLE_ENV, "1")  # (on, in a process without vLLM-Omni: a warning, never a raise)
+    with caplog.at_level(logging.INFO, logger="vllm.omni_pcache"):
+        plugins["omni_pcache_vllm_omni"]()
+    assert "not installed in vLLM-Omni's AR worker" in caplog.text

@@ -518,7 +518,10 @@ class OmniHooksRunner(VllmOmniPrefixCacheMixin, OmniRunnerStandin):
         self._prefix_cache_step_begin(so)
 
     def save(self, hidden: torch.Tensor, mm: dict, so: SchedulerOutput, req_ids: list[str]) -> int | None:
+        """The rows in ``input_batch.req_ids`` order; ``codes`` as a model emits codebooks, one
+        column per codebook (2-D: vLLM-Omni's rule caches only tensors of 2+ dims)."""
         self.input_batch.req_ids = list(req_ids)
+        mm = {name: value[:, None] for name, value in mm.items()}
         return self._prefix_cache_save_step(
             hidden, mm, num_tokens_unpadded=so.total_num_scheduled_tokens, num_tokens_padded=hidden.shape[0]
         )
@@ -527,6 +530,7 @@ class OmniHooksRunner(VllmOmniPrefixCacheMixin, OmniRunnerStandin):
         if step_id is None:
             return None
         hidden, mm = self._prefix_cache_materialize(step_id, req_ids)
+        mm = {name: {req: rows[:, 0] for req, rows in per_req.items()} for name, per_req in (mm or {}).items()}
         return SimpleNamespace(hidden=hidden, mm=mm)
 
 

@@ -157,11 +157,21 @@ class CachePolicy:
     keys are cached and every other mm entry is leftover. ``deferred_keys``: per-token keys kept
     on the device until their request finishes (they must be per-token keys; ``"hidden"``
     names the hidden states, with or without ``token_keys``, when ``cache_hidden``).
+    ``reclassify_each_step`` (discovery only): vLLM-Omni's rule instead of classifying each
+    key once, for models whose mm entries may look per-token in one step and not in the next
+    (a tensor with a row per request, in a decode step where every request has one token): an
+    entry is per-token in a step when it is a tensor of 2+ dims whose dim 0 is the step's token
+    count (padded or not) and, for a key seen before, whose rows have that key's shape and
+    dtype; otherwise it is that step's leftover, never an error (a deferred key is still checked
+    strictly). A step that leaves a key out holds no rows of it: a later hit over those
+    positions that reads the key raises `UnservableHitError`, as vLLM-Omni's cache raises for
+    absent rows.
     """
 
     cache_hidden: bool = True
     token_keys: frozenset[str] | None = None
     deferred_keys: frozenset[str] = field(default_factory=frozenset)
+    reclassify_each_step: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache_hidden, bool):
@@ -173,6 +183,10 @@ class CachePolicy:
         object.__setattr__(self, "deferred_keys", _key_names(self.deferred_keys, "deferred_keys"))
         if HIDDEN in self.deferred_keys and not self.cache_hidden:
             raise ConfigError(f"deferred_keys names {HIDDEN!r}, but cache_hidden=False caches no hidden states")
+        if not isinstance(self.reclassify_each_step, bool):
+            raise ConfigError(f"CachePolicy.reclassify_each_step must be a bool, got {self.reclassify_each_step!r}")
+        if self.reclassify_each_step and self.token_keys is not None:
+            raise ConfigError("reclassify_each_step applies to discovered keys: it needs token_keys=None")
         if self.token_keys is not None and not self.deferred_keys <= self.token_keys | {HIDDEN}:
             missing = sorted(self.deferred_keys - self.token_keys - {HIDDEN})
             raise ConfigError(f"deferred_keys {missing} are not in token_keys")

@@ -2,9 +2,10 @@
 
 A per-token key has dim 0 equal to the step's token count (padded or not) and a fixed row
 shape and dtype. With discovery on (``CachePolicy.token_keys is None``) each name is
-classified once, on the first step that shows it; an explicit ``token_keys`` set turns
-discovery off. A later step whose tensor breaks a key's classification raises
-`InvalidInputError` before anything is written. Classifying a step (`classify`) only checks
+classified once, on the first step that shows it (or, with ``reclassify_each_step``, afresh at
+every step, as vLLM-Omni does); an explicit ``token_keys`` set turns discovery off. A later
+step whose tensor breaks a key's classification raises `InvalidInputError` before anything is
+written (with ``reclassify_each_step``, that entry is the step's leftover instead). Classifying a step (`classify`) only checks
 it; its new keys and leftover names are remembered by `register`, which `PrefixCache.save`
 calls once nothing can refuse the step for its input any more, so a refused step leaves the
 classification as it was (a corrected retry is classified afresh).
@@ -80,6 +81,16 @@ def _is_per_token(value: Any, n: int, n_padded: int) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] in (n, n_padded)
 
 
+def _fits_this_step(value: Any, n: int, n_padded: int, spec: KeySpec | None) -> bool:
+    """`CachePolicy.reclassify_each_step`'s test: a dense tensor of 2+ dims with a row per token
+    of this step, with ``spec``'s rows when the key is known."""
+    if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[0] not in (n, n_padded):
+        return False
+    if value.layout != torch.strided or value.is_quantized or value.is_meta:
+        return False
+    return spec is None or (tuple(value.shape[1:]) == spec.row_shape and value.dtype == spec.dtype)
+
+
 class KeyRegistry:
     """Classifies mm entries and remembers each key's spec. ``add_key`` registers a new key in
     the ledger and returns its id; ``check_room(new_specs, new_ledger_columns)`` refuses new
@@ -143,6 +154,8 @@ class KeyRegistry:
                 raise InvalidInputError(f"mm key {HIDDEN!r} is reserved for hidden states")
             if token_keys is not None:
                 per_token = name in token_keys
+            elif self._policy.reclassify_each_step and name not in self._policy.deferred_keys:
+                per_token = n > 0 and _fits_this_step(value, n, n_padded, self._specs.get(name))
             elif name in self._specs:
                 per_token = True
             elif name in self._leftover:
@@ -177,7 +190,7 @@ class KeyRegistry:
         except BaseException:
             self.forget(tuple(added))  # (a refused step registers none of its keys)
             raise
-        if leftover and self._policy.token_keys is None and n > 0:
+        if leftover and self._policy.token_keys is None and n > 0 and not self._policy.reclassify_each_step:
             new_leftover = [k for k in leftover if k not in self._specs and k not in self._leftover]
             self._leftover.update(new_leftover)
             added += new_leftover

@@ -19,9 +19,15 @@ its runner changed:
   `CachePolicy`: hidden states cached unless the model opts out, its deferred keys deferred,
   per-token mm keys discovered by shape (1-D ones too). Set ``pcache_policy`` on the class to
   name them instead;
-- ``omni_prefix_cache`` holds a `VllmOmniCacheHandle` on the output rank (the last pipeline
-  stage's tensor-parallel rank 0) and ``None`` on every other rank, whose outputs vLLM drops:
-  they build their payloads from the step's own rows, as vLLM-Omni's ranks without a cache do;
+- ``omni_prefix_cache`` holds a `VllmOmniCacheHandle` on every tensor-parallel rank of the last
+  pipeline stage, as vLLM-Omni's own cache does: each rank's model postprocess reads the merged
+  rows into state its next forward uses, so the ranks must see the same rows. Earlier
+  pipeline stages get ``None`` (``pcache_every_tensor_parallel_rank = False``: only the output
+  rank, tensor-parallel rank 0, holds one);
+- a model postprocess is not run for a request whose merged rows are empty in a step (a resumed
+  request's chunk that recomputes only rows its consumer already has: each row is returned
+  once), since vLLM-Omni runs every request's postprocess in one ``try``: one reading the last
+  row of nothing would lose the whole batch's updates;
 - ``_dummy_run`` fences the last save's copies first (`PrefixCacheRunnerMixin.pcache_fence`), and
   ``capture_model`` runs inside `PrefixCacheRunnerMixin.pcache_warmup` (a running cache flushed
   first, as at an elastic-EP rescale's capture).
@@ -53,15 +59,14 @@ ENABLE_ENV = "OMNI_PCACHE_VLLM_OMNI"
 
 
 def policy_from_omni(omni_policy: Any) -> CachePolicy:
-    """The `CachePolicy` of a vLLM-Omni ``ModelCachePolicy`` (read by attribute): hidden states
-    cached when ``needs_full_hidden_states``, ``deferred_keys`` deferred (its hidden-states key
-    named ``"hidden"``), per-token keys discovered by shape. ``None``: the default policy."""
-    if omni_policy is None:
-        return CachePolicy()
+    """The `CachePolicy` of a vLLM-Omni ``ModelCachePolicy`` (read by attribute; ``None``: its
+    defaults): hidden states cached when ``needs_full_hidden_states``, ``deferred_keys``
+    deferred (its hidden-states key named ``"hidden"``), and the other per-token keys found as
+    vLLM-Omni finds them, afresh each step (`CachePolicy.reclassify_each_step`)."""
     cache_hidden = bool(getattr(omni_policy, "needs_full_hidden_states", True))
     deferred = frozenset(getattr(omni_policy, "deferred_keys", ()) or ())
     deferred = frozenset(HIDDEN if key == OMNI_HIDDEN_KEY else key for key in deferred)
-    return CachePolicy(cache_hidden=cache_hidden, deferred_keys=deferred)
+    return CachePolicy(cache_hidden=cache_hidden, deferred_keys=deferred, reclassify_each_step=True)
 
 
 def flat_mm(mm: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -107,11 +112,15 @@ class VllmOmniPrefixCacheMixin(PrefixCacheRunnerMixin):
 
     Class attributes a subclass may set: ``pcache_options`` (`CacheConfig` fields, e.g.
     ``{"host_budget_bytes": 64 << 30}``), ``pcache_policy`` (a `CachePolicy` used instead of the
-    model's vLLM-Omni policy) and ``pcache_log_stats_interval_s`` (`pcache_init`'s)."""
+    model's vLLM-Omni policy), ``pcache_log_stats_interval_s`` (`pcache_init`'s) and
+    ``pcache_every_tensor_parallel_rank`` (``False``: only tensor-parallel rank 0 holds a cache,
+    the others' outputs being dropped by vLLM; only for a model whose postprocess reads no
+    merged rows, which every rank's next forward would otherwise see differently)."""
 
     pcache_options: Mapping[str, Any] = MappingProxyType({})
     pcache_policy: CachePolicy | None = None
     pcache_log_stats_interval_s: float | None = 10.0
+    pcache_every_tensor_parallel_rank: bool = True
     # (vLLM-Omni's runner sets these two in its __init__; the defaults cover a runner that does not)
     omni_prefix_cache: VllmOmniCacheHandle | None = None
     _omni_prefix_cache_cfg: Any = None
@@ -136,12 +145,19 @@ class VllmOmniPrefixCacheMixin(PrefixCacheRunnerMixin):
         self._omni_prefix_cache_cfg = None
         self.omni_prefix_cache = None
         self._pcache_scheduler_output = None
-        if self.pcache_policy is not None:
-            policy = self.pcache_policy
-        else:
-            policy = policy_from_omni(getattr(self, "_omni_cache_policy", None))
+        self.pcache_shutdown()  # (a KV cache initialized again: the running cache, if any, first)
+        self._pcache_state = None
+        omni_policy = getattr(self, "_omni_cache_policy", None)
+        policy = self.pcache_policy if self.pcache_policy is not None else policy_from_omni(omni_policy)
+        if not policy.cache_hidden and bool(getattr(omni_policy, "needs_full_hidden_states", True)):
+            raise ConfigError(
+                "pcache_policy caches no hidden states, but the model needs its full-sequence hidden states "
+                "(vLLM-Omni's ModelCachePolicy.needs_full_hidden_states): its outputs would lose them"
+            )
         self.pcache_load_policy(policy)
         is_last_stage, tp_rank = self._pcache_parallel_ranks()
+        if self.pcache_every_tensor_parallel_rank:
+            tp_rank = 0  # (each rank of the last stage serves its own, identical, rows)
         vllm_config = getattr(self, "vllm_config", None)
         has_cache = self.pcache_init(
             cache_config=self.cache_config,
@@ -221,6 +237,37 @@ class VllmOmniPrefixCacheMixin(PrefixCacheRunnerMixin):
             return None, None
         return outputs.hidden, (outputs.mm or None)
 
+    def _process_additional_information_updates(
+        self,
+        hidden_states: Any,
+        multimodal_outputs: Any,
+        num_scheduled_tokens_np: Any,
+        scheduler_output: Any,
+        combined_hidden_states: dict[str, Any] | None = None,
+        combined_multimodal_outputs: dict[str, Any] | None = None,
+        req_ids_filter: set[str] | None = None,
+        req_ids: list[str] | None = None,
+        query_start_loc_cpu: Any = None,
+    ) -> None:
+        """vLLM-Omni's per-request model postprocess over a step's outputs, leaving out the
+        requests whose merged hidden rows are empty this step (see the module doc)."""
+        if combined_hidden_states:
+            empty = {req for req, rows in combined_hidden_states.items() if rows.shape[0] == 0}
+            if empty:
+                order = req_ids if req_ids is not None else self.input_batch.req_ids
+                req_ids_filter = set(order if req_ids_filter is None else req_ids_filter) - empty
+        return super()._process_additional_information_updates(  # type: ignore[misc]
+            hidden_states,
+            multimodal_outputs,
+            num_scheduled_tokens_np,
+            scheduler_output,
+            combined_hidden_states,
+            combined_multimodal_outputs,
+            req_ids_filter=req_ids_filter,
+            req_ids=req_ids,
+            query_start_loc_cpu=query_start_loc_cpu,
+        )
+
     def capture_model(self, *args: Any, **kwargs: Any) -> Any:
         """CUDA-graph capture (at start, and again at an elastic-EP rescale while serving) runs
         inside `pcache_warmup`, which flushes a running cache first: a device call of its
@@ -251,11 +298,11 @@ def install_vllm_omni(**cache_options: Any) -> type:
         if cache_options:
             base.pcache_options = dict(cache_options)
         return base
+    name = f"OmniPcache{base.__name__}"
     runner = type(
-        f"OmniPcache{base.__name__}",
-        (VllmOmniPrefixCacheMixin, base),
-        {"pcache_options": dict(cache_options), "__module__": __name__},
+        name, (VllmOmniPrefixCacheMixin, base), {"pcache_options": dict(cache_options), "__module__": __name__}
     )
+    globals()[name] = runner  # (found by its qualified name, as pickle looks a class up)
     worker.model_runner_cls = runner
     return runner
 
