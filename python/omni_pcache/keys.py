@@ -5,10 +5,11 @@ shape and dtype. With discovery on (``CachePolicy.token_keys is None``) each nam
 classified once, on the first step that shows it (or, with ``reclassify_each_step``, afresh at
 every step, as vLLM-Omni does); an explicit ``token_keys`` set turns discovery off. A later
 step whose tensor breaks a key's classification raises `InvalidInputError` before anything is
-written (with ``reclassify_each_step``, that entry is the step's leftover instead). Classifying a step (`classify`) only checks
-it; its new keys and leftover names are remembered by `register`, which `PrefixCache.save`
-calls once nothing can refuse the step for its input any more, so a refused step leaves the
-classification as it was (a corrected retry is classified afresh).
+written (with ``reclassify_each_step``, that entry is the step's leftover instead).
+Classifying a step (`classify`) only checks it; its new keys and leftover names are remembered
+by `register`, which `PrefixCache.save` calls once nothing can refuse the step for its input
+any more, so a refused step leaves the classification as it was (a corrected retry is
+classified afresh).
 
 Engine thread only (called from `PrefixCache.save`).
 """
