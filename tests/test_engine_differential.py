@@ -177,6 +177,19 @@ def test_rows_saved_from_reused_output_buffers_equal_the_reference(
 @pytest.mark.parametrize(
     ("name", "config", "workload", "num_requests", "abort_rate"), SCENARIOS, ids=[s[0] for s in SCENARIOS]
 )
+def test_rows_with_keys_found_each_step_equal_the_reference(name, config, workload, num_requests, abort_rate):
+    # `CachePolicy.reclassify_each_step` (the vLLM-Omni mixin's default): "proj" is found by its
+    # shape at every step, and the 1-D per-row leftover stays a leftover (its rows checked too).
+    cached, result = check(
+        replace(config, model="prefix-hash", reclassify_keys=True), workload, num_requests, 2, abort_rate
+    )
+    assert result.rows_checked > 0 and cached.hit_tokens > 0
+    assert cached.cache_stats.pool_bytes.keys() == {"hidden", "proj"}
+
+
+@pytest.mark.parametrize(
+    ("name", "config", "workload", "num_requests", "abort_rate"), SCENARIOS, ids=[s[0] for s in SCENARIOS]
+)
 def test_rows_returned_in_one_chunk_per_request_equal_the_reference(
     monkeypatch, name, config, workload, num_requests, abort_rate
 ):

@@ -54,6 +54,9 @@ class EngineConfig:
     model: str = "transformer"
     output_thread: bool = False
     deferred_proj: bool = False  # keep the "proj" key on the device until its request finishes
+    # Find the cached mm keys as vLLM-Omni does, afresh each step (`CachePolicy.reclassify_each_step`)
+    # instead of naming "proj" (its rows are 2-D; the per-row leftover's are 1-D).
+    reclassify_keys: bool = False
     device_budget_bytes: int = 512 << 20
     # The cache's `CacheConfig.inline_write_bytes` (None: its default). 0 hands every step to the
     # committer, so a step consumed before the next begin_step reads its rows from the caller's
@@ -156,7 +159,11 @@ class Engine:
                     f"consume_lag must be from 0 to the cache's staging_depth - 1, got {config.consume_lag}"
                 )
             deferred = frozenset({"proj"}) if config.deferred_proj else frozenset()
-            self.cache = PrefixCache(cache_config, CachePolicy(token_keys=frozenset({"proj"}), deferred_keys=deferred))
+            if config.reclassify_keys:
+                policy = CachePolicy(deferred_keys=deferred, reclassify_each_step=True)
+            else:
+                policy = CachePolicy(token_keys=frozenset({"proj"}), deferred_keys=deferred)
+            self.cache = PrefixCache(cache_config, policy)
         self.buffers: OutputBuffers | None = None
         if config.output_device is not None and self.cache is not None:
             self.buffers = OutputBuffers(config.output_device, config.max_num_batched_tokens)
