@@ -122,6 +122,11 @@ soak-vllm SEEDS="2000" FIRST="0": setup develop
     bash scripts/setup-vllm.sh
     VLLM_TARGET_DEVICE=cpu OMNI_PCACHE_REQUIRE_VLLM=1 OMNI_PCACHE_VLLM_SOAK_SEEDS={{SEEDS}} OMNI_PCACHE_VLLM_SOAK_FIRST={{FIRST}} .venv-vllm/bin/python -m pytest -q -s --timeout 0 tests/test_vllm_scheduler.py -k test_soak
 
+# The same soak, the runner calling the cache through vLLM-Omni's hooks (VllmOmniPrefixCacheMixin).
+soak-vllm-omni SEEDS="2000" FIRST="0": setup develop
+    bash scripts/setup-vllm.sh
+    VLLM_TARGET_DEVICE=cpu OMNI_PCACHE_REQUIRE_VLLM=1 OMNI_PCACHE_VLLM_SOAK_SEEDS={{SEEDS}} OMNI_PCACHE_VLLM_SOAK_FIRST={{FIRST}} .venv-vllm/bin/python -m pytest -q -s --timeout 0 tests/test_vllm_omni_scheduler.py -k test_soak
+
 # The vLLM adapter against vLLM 0.33's real types and its real scheduler, in a separate cached env (.venv-vllm: ~340 MB download once),
 # the vLLM-Omni mixin under that scheduler, and its hooks checked against vLLM-Omni 0.30's source (.venv-bench: ~8 MB once).
 test-vllm: setup develop

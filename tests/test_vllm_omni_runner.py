@@ -228,6 +228,8 @@ def test_every_tensor_parallel_rank_of_the_last_stage_serves_the_same_rows() -> 
     hidden = torch.randn(2, 4)
     for runner in (started(OmniRunner(ranks=(True, 0))), started(OmniRunner(ranks=(True, 1)))):
         assert isinstance(runner.omni_prefix_cache, VllmOmniCacheHandle)
+        # (the counters' line is logged by rank 0 alone: one line per stage)
+        assert runner._pcache_state.log_interval_s == (10.0 if runner.ranks[1] == 0 else None)
         step = runner.step(so, ["a"], hidden)
         assert torch.equal(runner._prefix_cache_materialize(step, ["a"])[0]["a"], hidden)
         runner.omni_prefix_cache.shutdown()

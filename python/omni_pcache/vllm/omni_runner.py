@@ -156,6 +156,7 @@ class VllmOmniPrefixCacheMixin(PrefixCacheRunnerMixin):
             )
         self.pcache_load_policy(policy)
         is_last_stage, tp_rank = self._pcache_parallel_ranks()
+        log_interval_s = self.pcache_log_stats_interval_s if tp_rank == 0 else None  # (one line per stage)
         if self.pcache_every_tensor_parallel_rank:
             tp_rank = 0  # (each rank of the last stage serves its own, identical, rows)
         vllm_config = getattr(self, "vllm_config", None)
@@ -170,7 +171,7 @@ class VllmOmniPrefixCacheMixin(PrefixCacheRunnerMixin):
             is_pooling=bool(getattr(self, "is_pooling_model", False)),
             is_last_pipeline_stage=is_last_stage,
             tensor_parallel_rank=tp_rank,
-            log_stats_interval_s=self.pcache_log_stats_interval_s,
+            log_stats_interval_s=log_interval_s,
             **dict(self.pcache_options),
         )
         state = self._pcache_state
