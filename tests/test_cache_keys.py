@@ -85,50 +85,58 @@ def test_discovery_classifies_once_and_refuses_a_changed_row_shape_or_dtype() ->
 
 
 def test_reclassified_each_step_an_entry_is_per_token_only_in_steps_where_it_has_that_shape() -> None:
-    # vLLM-Omni's rule: 2+ dims with a row per token, this step. "spk" has a row per request:
-    # per-token-shaped in a step of two one-token requests, leftover in a step of 7 tokens.
-    # "flag" is 1-D (never cached); "feat" changes width once (that step's leftover).
+    # vLLM-Omni's rule: 2+ dims with a row per token, this step. "spk" has a row per request,
+    # "flag" is 1-D (never cached), and "feat" changes width once (that step's leftover).
     with small_cache(policy=CachePolicy(reclassify_each_step=True)) as cache:
+        # "a" (3 tokens) and "c" (1): "feat" is found; "spk" (2 rows for 4 tokens) is a leftover.
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1]), NewRequest("c", [5])]))
-        mm = {
-            "spk": torch.tensor([[1.0], [2.0]]),
-            "flag": torch.tensor([1, 0]),
-            "feat": encoded(0, 2, (3,), torch.float32, 1),
-        }
-        sid = cache.save(rows(1, 0, 2), mm, StepBatch(["a", "c"], [1, 1], np.array([0, 20])))
+        spk = torch.tensor([[1.0], [2.0]])
+        mm = {"spk": spk, "flag": torch.tensor([1, 0, 1, 1]), "feat": encoded(0, 4, (3,), torch.float32, 1)}
+        sid = cache.save(rows(1, 0, 4), mm, StepBatch(["a", "c"], [3, 1], np.array([0, 1, 2, 20])))
         out = cache.materialize(sid, ["a", "c"])
-        assert out.mm["spk"]["c"].tolist() == [[2.0]] and out.mm["flag"]["c"].tolist() == [0]
-        assert cache.stats().pool_bytes.keys() == {"hidden", "spk", "feat"}
-        # A step of 7 tokens: "spk" (2 rows) and a 5-wide "feat" are this step's leftovers,
-        # passed whole (no error); the hidden states are cached as ever.
-        cache.begin_step(StepEvents(new=[NewRequest("b", [2, 3])]))
-        spk = torch.tensor([[3.0], [4.0]])
-        mm = {"spk": spk, "flag": torch.tensor([1, 1]), "feat": torch.zeros(7, 5)}
-        sid = cache.save(rows(2, 0, 7), mm, StepBatch(["b"], [7], slots_of([2, 3], 0, 7, BS)))
+        assert torch.equal(out.mm["spk"]["c"], spk) and out.mm["flag"]["c"].tolist() == [1]
+        assert cache.stats().pool_bytes.keys() == {"hidden", "feat"}
+        # One token each: "spk" has a row per token here too, but is no key seen in a step that
+        # could tell (a step of one-row requests finds none); "feat", found before, is cached
+        # (block 0 now holds a's "feat" rows in all four slots).
+        cache.begin_step(StepEvents())
+        mm = {"spk": spk, "feat": encoded(4, 2, (3,), torch.float32, 2)}
+        sid = cache.save(rows(1, 4, 2), mm, StepBatch(["a", "c"], [1, 1], np.array([3, 21])))
+        out = cache.materialize(sid, ["a", "c"])
+        assert out.mm["spk"]["c"].tolist() == [[2.0]]  # (a leftover with a row per token: sliced)
+        assert cache.stats().pool_bytes.keys() == {"hidden", "feat"}
+        # "b" takes a's freed block 0 (a's "feat" rows in its slots) in a step of 7 tokens whose
+        # "feat" is 5 wide: that step's leftover, passed whole (no error); the hidden states are
+        # cached as ever, and b's step leaves block 0's slots without "feat" rows.
+        cache.begin_step(StepEvents(new=[NewRequest("b", [0, 3])], finished=["a", "c"]))
+        sid = cache.save(rows(2, 0, 7), {"feat": torch.zeros(7, 5)}, StepBatch(["b"], [7], slots_of([0, 3], 0, 7, BS)))
         out = cache.materialize(sid, ["b"])
-        assert torch.equal(out.mm["spk"]["b"], spk) and out.mm["feat"]["b"].shape == (7, 5)
-        assert torch.equal(out.hidden["b"], rows(2, 0, 7))
-        # "d" hits b's first block: hidden states are served; "feat" has rows again and the hit
-        # reads it over positions b's step left without them: unservable, never another tenant's.
-        cache.begin_step(StepEvents(new=[NewRequest("d", [2, 4], 4)]))
-        sid = cache.save(rows(3, 4, 2), {}, StepBatch(["d"], [2], slots_of([2, 4], 4, 2, BS)))
+        assert out.mm["feat"]["b"].shape == (7, 5) and torch.equal(out.hidden["b"], rows(2, 0, 7))
+        # "d" hits b's first block with "feat" of another dtype (that step's leftover, sliced):
+        # its hidden states are served. "f" gives "feat" rows again, so its hit on that block
+        # reads them: unservable, never a's rows.
+        cache.begin_step(StepEvents(new=[NewRequest("d", [0, 4], 4)]))
+        feat64 = torch.zeros(2, 3, dtype=torch.float64)
+        sid = cache.save(rows(3, 4, 2), {"feat": feat64}, StepBatch(["d"], [2], slots_of([0, 4], 4, 2, BS)))
         out = cache.materialize(sid, ["d"])
         assert torch.equal(out.hidden["d"], torch.cat([rows(2, 0, 4), rows(3, 4, 2)]))
-        cache.begin_step(StepEvents(new=[NewRequest("e", [2, 6], 4)]))
+        assert torch.equal(out.mm["feat"]["d"], feat64)
+        cache.begin_step(StepEvents(new=[NewRequest("f", [0, 6], 4)]))
         feat = encoded(4, 1, (3,), torch.float32, 2)
-        sid = cache.save(rows(4, 4, 1), {"feat": feat}, StepBatch(["e"], [1], slots_of([2, 6], 4, 1, BS)))
-        with pytest.raises(UnservableHitError):
-            cache.materialize(sid, ["e"])
+        sid = cache.save(rows(4, 4, 1), {"feat": feat}, StepBatch(["f"], [1], slots_of([0, 6], 4, 1, BS)))
+        with pytest.raises(UnservableHitError, match="'feat'"):
+            cache.materialize(sid, ["f"])
         assert cache.stats().reads_pending == 0
 
 
-def test_reclassified_each_step_a_deferred_key_is_still_checked_strictly() -> None:
+def test_reclassified_each_step_a_deferred_key_without_rows_this_step_is_a_leftover() -> None:
     policy = CachePolicy(reclassify_each_step=True, deferred_keys={"codes"})
     with small_cache(policy=policy) as cache:
         cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
         cache.discard(cache.save(rows(1, 0, 4), {"codes": torch.zeros(4, 2)}, StepBatch(["a"], [4], np.arange(4))))
-        with pytest.raises(InvalidInputError, match=r"'codes' has shape \(3, 2\); dim 0 must be"):
-            cache.save(rows(1, 4, 4), {"codes": torch.zeros(3, 2)}, StepBatch(["a"], [4], np.arange(4, 8)))
+        codes = torch.ones(3, 2)
+        sid = cache.save(rows(1, 4, 4), {"codes": codes}, StepBatch(["a"], [4], np.arange(4, 8)))
+        assert torch.equal(cache.materialize(sid, ["a"]).mm["codes"]["a"], codes)  # (vLLM-Omni's: a leftover)
 
 
 REFUSALS = {

@@ -174,6 +174,23 @@ def test_an_entry_with_a_row_per_request_is_per_token_only_where_it_looks_it_and
     runner.omni_prefix_cache.shutdown()
 
 
+def test_a_hit_in_a_step_of_one_token_requests_is_served_beside_a_row_per_request_entry() -> None:
+    # (the first review's case: "spk", a row per request, looks per-token in b's step of one
+    # token; found as a key there, b's hit would read it over a's prompt, which has no rows of it)
+    runner = started(OmniRunner())
+    hidden_a = torch.randn(5, 4)
+    spk = torch.ones(1, 2)
+    step = runner.step(so_of(new=[new_req("a", [3, 5])], counts={"a": 5}), ["a"], hidden_a, {"spk": spk})
+    runner.omni_prefix_cache.discard_step(step)
+    hidden_b = torch.randn(1, 4)
+    so = so_of(new=[new_req("b", [3, 7], computed=4)], counts={"b": 1})
+    step = runner.step(so, ["b"], hidden_b, {"spk": spk})
+    hidden, mm = runner._prefix_cache_materialize(step, ["b"])
+    assert torch.equal(hidden["b"], torch.cat([hidden_a[:4], hidden_b])) and torch.equal(mm["spk"]["b"], spk)
+    assert runner.omni_prefix_cache.stats().pool_bytes.keys() == {"hidden"}
+    runner.omni_prefix_cache.shutdown()
+
+
 def test_a_request_with_no_new_rows_gets_no_postprocess_and_the_others_do() -> None:
     # vLLM-Omni's runner postprocesses every request of a step in one try: a request whose
     # merged rows are empty (a resumed chunk recomputing rows already delivered) is left out.

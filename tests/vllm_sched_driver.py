@@ -519,9 +519,12 @@ class OmniHooksRunner(VllmOmniPrefixCacheMixin, OmniRunnerStandin):
 
     def save(self, hidden: torch.Tensor, mm: dict, so: SchedulerOutput, req_ids: list[str]) -> int | None:
         """The rows in ``input_batch.req_ids`` order; ``codes`` as a model emits codebooks, one
-        column per codebook (2-D: vLLM-Omni's rule caches only tensors of 2+ dims)."""
+        column per codebook (2-D: vLLM-Omni's rule caches only tensors of 2+ dims), and ``spk``,
+        a row per request (a speaker embedding), which has a row per token in a step where every
+        request has one token (it must never be taken for a key)."""
         self.input_batch.req_ids = list(req_ids)
         mm = {name: value[:, None] for name, value in mm.items()}
+        mm["spk"] = torch.arange(len(req_ids), dtype=torch.float32)[:, None].expand(-1, 2)
         return self._prefix_cache_save_step(
             hidden, mm, num_tokens_unpadded=so.total_num_scheduled_tokens, num_tokens_padded=hidden.shape[0]
         )
@@ -530,8 +533,8 @@ class OmniHooksRunner(VllmOmniPrefixCacheMixin, OmniRunnerStandin):
         if step_id is None:
             return None
         hidden, mm = self._prefix_cache_materialize(step_id, req_ids)
-        mm = {name: {req: rows[:, 0] for req, rows in per_req.items()} for name, per_req in (mm or {}).items()}
-        return SimpleNamespace(hidden=hidden, mm=mm)
+        assert set(mm) == {"codes", "spk"} and "spk" not in self.pcache.stats().pool_bytes
+        return SimpleNamespace(hidden=hidden, mm={"codes": {req: rows[:, 0] for req, rows in mm["codes"].items()}})
 
 
 # The runner class `run` uses by default (tests/test_vllm_omni_scheduler.py sets it to

@@ -162,10 +162,11 @@ class CachePolicy:
     (a tensor with a row per request, in a decode step where every request has one token): an
     entry is per-token in a step when it is a tensor of 2+ dims whose dim 0 is the step's token
     count (padded or not) and, for a key seen before, whose rows have that key's shape and
-    dtype; otherwise it is that step's leftover, never an error (a deferred key is still checked
-    strictly). A step that leaves a key out holds no rows of it: a later hit over those
-    positions that reads the key raises `UnservableHitError`, as vLLM-Omni's cache raises for
-    absent rows.
+    dtype; otherwise it is that step's leftover, not an error (deferred keys included). A new
+    key is found only in a step where some request has more than one row, so a tensor with a
+    row per request never becomes one. A step that leaves a key out holds no rows of it: a
+    later hit over those positions that reads the key raises `UnservableHitError` (where
+    vLLM-Omni's cache would serve whatever its pool held there).
     """
 
     cache_hidden: bool = True

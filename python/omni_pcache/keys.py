@@ -133,10 +133,14 @@ class KeyRegistry:
         self._step_keys.clear()  # (their `omitted` keys are made again with this one)
         return spec
 
-    def classify(self, hidden: Any, mm: dict[str, Any], n: int, n_padded: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    def classify(
+        self, hidden: Any, mm: dict[str, Any], n: int, n_padded: int, one_row_each: bool = False
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Splits a step's outputs into per-token rows ``{name: tensor}`` and leftover
         ``{name: value}``, checked against the keys registered so far. Registers nothing (see
-        `register`)."""
+        `register`). ``one_row_each``: every request with rows has one (a tensor with a row per
+        request has a row per token too: with ``reclassify_each_step`` no new key is found in
+        such a step)."""
         if not isinstance(mm, dict):
             raise InvalidInputError(f"mm must be a dict of name -> value, got {type(mm).__name__}")
         cached: dict[str, Any] = {}
@@ -155,8 +159,10 @@ class KeyRegistry:
                 raise InvalidInputError(f"mm key {HIDDEN!r} is reserved for hidden states")
             if token_keys is not None:
                 per_token = name in token_keys
-            elif self._policy.reclassify_each_step and name not in self._policy.deferred_keys:
-                per_token = n > 0 and _fits_this_step(value, n, n_padded, self._specs.get(name))
+            elif self._policy.reclassify_each_step:
+                spec = self._specs.get(name)
+                known = spec is not None or name in self._policy.deferred_keys  # (named: no coincidence)
+                per_token = n > 0 and (known or not one_row_each) and _fits_this_step(value, n, n_padded, spec)
             elif name in self._specs:
                 per_token = True
             elif name in self._leftover:

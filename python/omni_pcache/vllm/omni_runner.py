@@ -17,8 +17,10 @@ its runner changed:
   pooling stage) gets none here either;
 - the model's cache policy (vLLM-Omni's ``ModelCachePolicy``, snapshotted at load) becomes a
   `CachePolicy`: hidden states cached unless the model opts out, its deferred keys deferred,
-  per-token mm keys discovered by shape (1-D ones too). Set ``pcache_policy`` on the class to
-  name them instead;
+  the other per-token mm keys found as vLLM-Omni finds them, afresh each step
+  (`CachePolicy.reclassify_each_step`: 2+ dims with a row per token; a new key only in a step
+  where some request has more than one row, so a tensor with a row per request is never one).
+  Set ``pcache_policy`` on the class to name them instead;
 - ``omni_prefix_cache`` holds a `VllmOmniCacheHandle` on every tensor-parallel rank of the last
   pipeline stage, as vLLM-Omni's own cache does: each rank's model postprocess reads the merged
   rows into state its next forward uses, so the ranks must see the same rows. Earlier
@@ -156,7 +158,9 @@ class VllmOmniPrefixCacheMixin(PrefixCacheRunnerMixin):
             )
         self.pcache_load_policy(policy)
         is_last_stage, tp_rank = self._pcache_parallel_ranks()
-        log_interval_s = self.pcache_log_stats_interval_s if tp_rank == 0 else None  # (one line per stage)
+        log_interval_s = (
+            self.pcache_log_stats_interval_s if tp_rank == 0 else None
+        )  # (one line per cache's stage replica)
         if self.pcache_every_tensor_parallel_rank:
             tp_rank = 0  # (each rank of the last stage serves its own, identical, rows)
         vllm_config = getattr(self, "vllm_config", None)
