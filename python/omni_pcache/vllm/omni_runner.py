@@ -158,9 +158,8 @@ class VllmOmniPrefixCacheMixin(PrefixCacheRunnerMixin):
             )
         self.pcache_load_policy(policy)
         is_last_stage, tp_rank = self._pcache_parallel_ranks()
-        log_interval_s = (
-            self.pcache_log_stats_interval_s if tp_rank == 0 else None
-        )  # (one line per cache's stage replica)
+        # (the counters' line from rank 0 alone: one line per replica of the stage)
+        log_interval_s = self.pcache_log_stats_interval_s if tp_rank == 0 else None
         if self.pcache_every_tensor_parallel_rank:
             tp_rank = 0  # (each rank of the last stage serves its own, identical, rows)
         vllm_config = getattr(self, "vllm_config", None)
