@@ -118,8 +118,16 @@ def slots_of(blocks: list[int], count: int) -> np.ndarray:
     return np.array([blocks[p // BS] * BS + p % BS for p in range(count)])
 
 
-def test_the_cache_is_gated_at_kv_init_and_the_output_rank_gets_the_handle() -> None:
-    runner = started(OmniRunner())
+def test_the_cache_is_gated_at_kv_init_and_the_output_rank_gets_the_handle(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="vllm.omni_pcache"):
+        runner = started(OmniRunner())
+    # (one line per stage replica, at start, on vLLM's logger: the stage's cache is this one)
+    assert "omni_pcache: this stage caches its outputs through omni_pcache (32 KV blocks of 4 tokens" in caplog.text
+    assert "mm keys found each step" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vllm.omni_pcache"):
+        started(OmniRunner(ranks=(True, 1)))
+    assert caplog.text == ""
     assert runner._omni_prefix_cache_cfg is None  # (taken: vLLM-Omni never builds its own)
     assert isinstance(runner.omni_prefix_cache, VllmOmniCacheHandle)
     config = runner._pcache_state.config

@@ -49,6 +49,8 @@ from typing import Any
 
 from omni_pcache.config import HIDDEN, CachePolicy
 from omni_pcache.errors import ConfigError, InvalidInputError
+from omni_pcache.host_budget import budget_limit
+from omni_pcache.host_memory import size_text
 from omni_pcache.stats import CacheStats
 from omni_pcache.vllm.mixin import PrefixCacheRunnerMixin
 
@@ -157,11 +159,11 @@ class VllmOmniPrefixCacheMixin(PrefixCacheRunnerMixin):
                 "(vLLM-Omni's ModelCachePolicy.needs_full_hidden_states): its outputs would lose them"
             )
         self.pcache_load_policy(policy)
-        is_last_stage, tp_rank = self._pcache_parallel_ranks()
+        is_last_stage, rank = self._pcache_parallel_ranks()
         # (the counters' line from rank 0 alone: one line per replica of the stage)
-        log_interval_s = self.pcache_log_stats_interval_s if tp_rank == 0 else None
-        if self.pcache_every_tensor_parallel_rank:
-            tp_rank = 0  # (each rank of the last stage serves its own, identical, rows)
+        log_interval_s = self.pcache_log_stats_interval_s if rank == 0 else None
+        # (each rank of the last stage serves its own, identical, rows)
+        tp_rank = 0 if self.pcache_every_tensor_parallel_rank else rank
         vllm_config = getattr(self, "vllm_config", None)
         has_cache = self.pcache_init(
             cache_config=self.cache_config,
@@ -180,6 +182,18 @@ class VllmOmniPrefixCacheMixin(PrefixCacheRunnerMixin):
         state = self._pcache_state
         if has_cache and state is not None and state.output_rank:
             self.omni_prefix_cache = VllmOmniCacheHandle(self)
+            if rank == 0:
+                config = state.config
+                budget, _ = budget_limit(config)
+                logger.info(
+                    "omni_pcache: this stage caches its outputs through omni_pcache (%d KV blocks of %d tokens, "
+                    "host budget %s, %s)",
+                    config.num_blocks,
+                    config.block_size,
+                    "unknown" if budget is None else size_text(budget),
+                    "mm keys "
+                    + ("named" if state.policy and state.policy.token_keys is not None else "found each step"),
+                )
 
     def _pcache_parallel_ranks(self) -> tuple[bool, int]:
         """Whether this rank is the last pipeline stage, and its tensor-parallel rank (vLLM's
