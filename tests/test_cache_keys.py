@@ -129,6 +129,23 @@ def test_reclassified_each_step_an_entry_is_per_token_only_in_steps_where_it_has
         assert cache.stats().reads_pending == 0
 
 
+def test_reclassified_each_step_a_deferred_key_is_found_in_a_step_of_one_row_requests() -> None:
+    # (named by the policy, so no tensor with a row per request to fear: its rows are cached
+    # from the first step, and a hit over them is served)
+    policy = CachePolicy(reclassify_each_step=True, deferred_keys={"codes"})
+    with small_cache(policy=policy) as cache:
+        cache.begin_step(StepEvents(new=[NewRequest("a", [0]), NewRequest("c", [5])]))
+        codes = encoded(0, 2, (2,), torch.int64, 1)
+        cache.discard(cache.save(rows(1, 0, 2), {"codes": codes}, StepBatch(["a", "c"], [1, 1], np.array([0, 20]))))
+        more = encoded(1, 3, (2,), torch.int64, 1)
+        cache.discard(cache.save(rows(1, 1, 3), {"codes": more}, StepBatch(["a"], [3], np.arange(1, 4))))
+        cache.begin_step(StepEvents(new=[NewRequest("b", [0, 1], 4)], finished=["a", "c"]))
+        step = encoded(4, 2, (2,), torch.int64, 2)
+        sid = cache.save(rows(2, 4, 2), {"codes": step}, StepBatch(["b"], [2], np.arange(4, 6)))
+        got = cache.materialize(sid, ["b"]).mm["codes"]["b"]
+        assert torch.equal(got, torch.cat([codes[:1], more, step]))
+
+
 def test_reclassified_each_step_a_deferred_key_without_rows_this_step_is_a_leftover() -> None:
     policy = CachePolicy(reclassify_each_step=True, deferred_keys={"codes"})
     with small_cache(policy=policy) as cache:

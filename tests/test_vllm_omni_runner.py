@@ -61,6 +61,10 @@ class OmniRunnerBase:
         self.dummy_runs = 0
         self.postprocessed: list[set[str] | None] = []
 
+    def initialize_kv_cache(self, kv_cache_config, is_profiling: bool = False) -> None:
+        """vLLM's: the KV cache, then its metadata builders."""
+        self.initialize_metadata_builders(kv_cache_config, [BS])
+
     def initialize_metadata_builders(self, kv_cache_config, kernel_block_sizes) -> None:
         if self.stage_cache:
             self._omni_prefix_cache_cfg = ("vLLM-Omni's PrefixCacheConfig", kv_cache_config.num_blocks)
@@ -123,11 +127,22 @@ def test_the_cache_is_gated_at_kv_init_and_the_output_rank_gets_the_handle(caplo
         runner = started(OmniRunner())
     # (one line per stage replica, at start, on vLLM's logger: the stage's cache is this one)
     assert "omni_pcache: this stage caches its outputs through omni_pcache (32 KV blocks of 4 tokens" in caplog.text
-    assert "mm keys found each step" in caplog.text
+    assert "from this host's memory" in caplog.text and "mm keys found each step)" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="vllm.omni_pcache"):
-        started(OmniRunner(ranks=(True, 1)))
+        started(OmniRunner(ranks=(True, 1)))  # (rank 1: no line)
+        profiled = OmniRunner()
+        profiled.initialize_kv_cache(profiled.kv_cache_config, is_profiling=True)  # (vLLM's minimal one: no line)
     assert caplog.text == ""
+    assert isinstance(profiled.omni_prefix_cache, VllmOmniCacheHandle)  # (gated all the same)
+
+    class Named(OmniRunner):
+        pcache_policy = CachePolicy(token_keys=frozenset({"codes"}))
+        pcache_options: ClassVar[dict[str, int]] = {"host_budget_bytes": 1 << 30}
+
+    with caplog.at_level(logging.INFO, logger="vllm.omni_pcache"):
+        Named().initialize_kv_cache(runner.kv_cache_config)
+    assert "host budget 1.0 GiB from CacheConfig.host_budget_bytes, mm keys named)" in caplog.text
     assert runner._omni_prefix_cache_cfg is None  # (taken: vLLM-Omni never builds its own)
     assert isinstance(runner.omni_prefix_cache, VllmOmniCacheHandle)
     config = runner._pcache_state.config

@@ -309,7 +309,9 @@ class PrefixCache:
         self._check_usable()
         shape = check_batch(batch, self._config)
         one_row_each = shape.n == len(shape.claim_req_ids)
-        rows, leftover = self._keys.classify(hidden, {} if mm is None else mm, shape.n, shape.n_padded, one_row_each)
+        rows, leftover = self._keys.classify(
+            hidden, {} if mm is None else mm, shape.n, shape.n_padded, one_row_each=one_row_each
+        )
         deferred_names = self._policy.deferred_keys
         if deferred_names:
             self._deferred.check_fits({name: row_bytes(rows[name]) * shape.n for name in deferred_names & rows.keys()})

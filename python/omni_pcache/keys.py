@@ -134,13 +134,14 @@ class KeyRegistry:
         return spec
 
     def classify(
-        self, hidden: Any, mm: dict[str, Any], n: int, n_padded: int, one_row_each: bool = False
+        self, hidden: Any, mm: dict[str, Any], n: int, n_padded: int, *, one_row_each: bool
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Splits a step's outputs into per-token rows ``{name: tensor}`` and leftover
         ``{name: value}``, checked against the keys registered so far. Registers nothing (see
         `register`). ``one_row_each``: every request with rows has one (a tensor with a row per
         request has a row per token too: with ``reclassify_each_step`` no new key is found in
-        such a step)."""
+        such a step). A request of the batch with no rows is not counted: a caller that passes
+        tensors with a row for it too (vLLM schedules none) may see one found as a key."""
         if not isinstance(mm, dict):
             raise InvalidInputError(f"mm must be a dict of name -> value, got {type(mm).__name__}")
         cached: dict[str, Any] = {}

@@ -129,8 +129,19 @@ class VllmOmniPrefixCacheMixin(PrefixCacheRunnerMixin):
     omni_prefix_cache: VllmOmniCacheHandle | None = None
     _omni_prefix_cache_cfg: Any = None
     _pcache_scheduler_output: Any = None  # (the step's SchedulerOutput, from begin to save)
+    _pcache_profiling: bool = False  # (inside vLLM's profiling KV-cache init)
 
     # ---- KV-cache init -------------------------------------------------------------------
+
+    def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's KV-cache init; notes whether it is the profiling one (``is_profiling``: a
+        minimal KV cache for CUDA-graph profiling, initialized again after), whose cache is
+        gated as any other but not announced in the log."""
+        self._pcache_profiling = bool(kwargs.get("is_profiling", args[1] if len(args) > 1 else False))
+        try:
+            return super().initialize_kv_cache(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._pcache_profiling = False
 
     def initialize_metadata_builders(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> Any:
         """vLLM's KV-cache init step where vLLM-Omni stages its cache config: the stage's cache
@@ -182,17 +193,21 @@ class VllmOmniPrefixCacheMixin(PrefixCacheRunnerMixin):
         state = self._pcache_state
         if has_cache and state is not None and state.output_rank:
             self.omni_prefix_cache = VllmOmniCacheHandle(self)
-            if rank == 0:
-                config = state.config
-                budget, _ = budget_limit(config)
+            if rank == 0 and not self._pcache_profiling:
+                config, policy = state.config, state.policy or CachePolicy()
+                budget, source = budget_limit(config)
+                if policy.token_keys is not None:
+                    keys = "named"
+                else:
+                    keys = "found each step" if policy.reclassify_each_step else "found once"
                 logger.info(
                     "omni_pcache: this stage caches its outputs through omni_pcache (%d KV blocks of %d tokens, "
-                    "host budget %s, %s)",
+                    "host budget %s from %s, mm keys %s)",
                     config.num_blocks,
                     config.block_size,
                     "unknown" if budget is None else size_text(budget),
-                    "mm keys "
-                    + ("named" if state.policy and state.policy.token_keys is not None else "found each step"),
+                    source,
+                    keys,
                 )
 
     def _pcache_parallel_ranks(self) -> tuple[bool, int]:
