@@ -590,9 +590,9 @@ def test_close_between_a_saves_checks_and_its_page_claim_consumes_its_step_id() 
     cache.begin_step(StepEvents(new=[NewRequest("a", [0, 1])]))
     classify = cache._keys.classify
 
-    def close_then_classify(*args):
+    def close_then_classify(*args, **kwargs):
         cache.close()  # (what another thread's close does at this moment)
-        return classify(*args)
+        return classify(*args, **kwargs)
 
     cache._keys.classify = close_then_classify
     with pytest.raises(CacheClosedError, match="the cache is closed"):
